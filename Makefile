@@ -1,0 +1,25 @@
+# sglang-kvsparse: the two commands of the README are `make demo` and `make test`.
+PYTEST = .venv/bin/pytest
+
+.PHONY: setup demo test test-unit test-kernels test-integration test-e2e
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	bash scripts/demo.sh
+
+# Tiers, fastest first, so a broken basic stops the run before the slow end-to-end tier.
+test: setup test-unit test-kernels test-integration test-e2e
+
+test-unit:
+	$(PYTEST) tests/unit -q
+
+test-kernels:
+	$(PYTEST) tests/kernels -q
+
+test-integration:
+	$(PYTEST) tests/integration -q -m "integration"
+
+test-e2e:
+	$(PYTEST) tests/e2e tests/integration -q -m "e2e" --durations=10

@@ -1,0 +1,163 @@
+"""Run SGLang's own benchmark client (``python -m sglang.benchmark.serving``) against a server.
+
+Using SGLang's client (not our own) is the point: its numbers are the ones SGLang users quote,
+and it treats stock SGLang and the project identically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+
+
+class ClientError(RuntimeError):
+    """The benchmark client failed or wrote no result."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One client run: fixed-length random token-id prompts at one max concurrency."""
+
+    input_len: int
+    output_len: int
+    num_prompts: int
+    max_concurrency: int
+    seed: int
+
+    def client_args(self) -> list[str]:
+        """Arguments for ``sglang.benchmark.serving``.
+
+        ``--tokenize-prompt`` sends token ids, so every prompt is exactly ``input_len`` tokens
+        (text prompts are re-tokenised by the server and grow by ~5 %). ``--flush-cache`` empties
+        the radix cache after the client's warm-up request, so the same prompts (same seed) at the
+        next concurrency, or on the next system, are computed again rather than served from cache.
+        """
+        return [
+            "--backend", "sglang",
+            "--dataset-name", "random-ids",
+            "--tokenize-prompt",
+            "--random-input-len", str(self.input_len),
+            "--random-output-len", str(self.output_len),
+            "--random-range-ratio", "1.0",
+            "--num-prompts", str(self.num_prompts),
+            "--max-concurrency", str(self.max_concurrency),
+            "--seed", str(self.seed),
+            "--flush-cache",
+        ]
+
+
+def run_client(base_url: str, workload: Workload, result_file: Path, log_path: Path,
+               timeout_s: float) -> dict[str, Any]:
+    """Run the client once, echo its output (progress bar included), return its JSON result.
+
+    The client appends one JSON line per run to ``result_file``; we return the line it added.
+    """
+    before = _count_lines(result_file)
+    command = [
+        sys.executable, "-m", "sglang.benchmark.serving",
+        "--base-url", base_url,
+        *workload.client_args(),
+        "--output-file", str(result_file),
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env)
+        timed_out = threading.Event()
+
+        def kill_on_timeout() -> None:
+            timed_out.set()
+            proc.kill()
+
+        timer = threading.Timer(timeout_s, kill_on_timeout)
+        timer.start()
+        try:
+            while chunk := proc.stdout.read1(4096):
+                log.write(chunk)
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.buffer.flush()
+            proc.wait()
+        finally:
+            timer.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if timed_out.is_set():
+        raise ClientError(f"benchmark client killed after {timeout_s:.0f} s (log: {log_path})")
+    if proc.returncode != 0:
+        raise ClientError(f"benchmark client exited with {proc.returncode} (log: {log_path})")
+    lines = result_file.read_text().splitlines() if result_file.is_file() else []
+    if len(lines) <= before:
+        raise ClientError(f"benchmark client wrote no result (log: {log_path})")
+    return json.loads(lines[-1])
+
+
+def _count_lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+class KvStatsPoller:
+    """Samples ``GET /kvsparse/stats`` during a run, for the KV bytes each request really holds.
+
+    The project's server is meant to answer it with ``kv_bytes_in_use`` and ``requests_running``.
+    A server that does not (stock SGLang, or a project build without the endpoint) answers 404
+    at the first probe; the poller then stops and :attr:`available` stays False, so the report
+    falls back to the dense figure and says so.
+    """
+
+    def __init__(self, base_url: str, interval_s: float = 1.0) -> None:
+        self._url = f"{base_url}/kvsparse/stats"
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self.available = False
+        self.max_bytes_per_request: float | None = None
+
+    def __enter__(self) -> "KvStatsPoller":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def bytes_per_request(self, dense_bytes: float) -> tuple[float, str]:
+        """The measured KV bytes per request when the server reported them, else ``dense_bytes``;
+        with the source, in words, for the report."""
+        if self.available and self.max_bytes_per_request is not None:
+            return self.max_bytes_per_request, "measured: /kvsparse/stats"
+        return dense_bytes, "dense: (in+out) × bytes/token"
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            sample = self._sample()
+            if sample is None:
+                return
+            self._stop.wait(self._interval_s)
+
+    def _sample(self) -> dict | None:
+        try:
+            response = requests.get(self._url, timeout=5)
+        except requests.RequestException:
+            return None
+        if response.status_code != 200:
+            return None
+        stats = response.json()
+        if "kv_bytes_in_use" not in stats or "requests_running" not in stats:
+            return None
+        self.available = True
+        running = stats["requests_running"]
+        if running > 0:
+            per_request = stats["kv_bytes_in_use"] / running
+            if self.max_bytes_per_request is None or per_request > self.max_bytes_per_request:
+                self.max_bytes_per_request = per_request
+        return stats

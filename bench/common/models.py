@@ -1,0 +1,93 @@
+"""Model folders for benchmarks and the dense KV size of their tokens.
+
+Two kinds of model:
+- the project's embedded default model (SmolLM2-135M), real weights, for CPU runs;
+- a shipped ``config.json`` (``bench/models/<name>/``) served with ``--load-format dummy``: random
+  weights of a large model's exact shape, which is all a throughput benchmark needs.
+
+SGLang still loads a tokenizer with dummy weights, and no hub is reachable here, so a dummy folder
+gets a generated placeholder tokenizer covering the model's whole vocabulary (``<t0>`` ...). Why
+not the alternatives (checked on SGLang 0.5.23): ``--skip-tokenizer-init`` makes ``/generate``
+stream ``output_ids`` without ``text``, and ``sglang.benchmark.serving`` only counts chunks with
+non-empty ``text``, so TTFT and ITL would never be recorded; reusing the default model's tokenizer
+(49,152 ids) for a 128,256-id model decodes every id above its vocabulary to ``''``, so random
+dummy outputs would often produce empty chunks and shift the measured TTFT. Prompts are sent as
+token ids (``--tokenize-prompt``), so the tokenizer never affects what the model computes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sglang_kvsparse.models import ensure_default_model
+
+BENCH_MODELS = Path(__file__).resolve().parent.parent / "models"
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+#: Shape a dummy model is shrunk to for a CPU dry run: the same architecture, vocabulary and
+#: rope settings, small enough to start and run on two cores in seconds.
+DRY_RUN_SHAPE = {
+    "num_hidden_layers": 4,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
+
+
+def default_model() -> Path:
+    """The embedded default model's folder (converted on first use)."""
+    return ensure_default_model(log=print)
+
+
+def prepare_dummy_model(name: str, dest: Path, shrink: bool = False) -> Path:
+    """Write ``bench/models/<name>/config.json`` (optionally shrunk) and a tokenizer into ``dest``.
+
+    The tokenizer is generated rather than shipped: it carries no information (one placeholder
+    per id), and generating it takes a tenth of a second.
+    """
+    config = json.loads((BENCH_MODELS / name / "config.json").read_text())
+    if shrink:
+        config.update(DRY_RUN_SHAPE)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    _write_placeholder_tokenizer(dest, config)
+    return dest
+
+
+def _write_placeholder_tokenizer(dest: Path, config: dict) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab_size = config["vocab_size"]
+    tokenizer = Tokenizer(
+        models.WordLevel({f"<t{i}>": i for i in range(vocab_size)}, unk_token="<t0>")
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(dest / "tokenizer.json"))
+    eos = config.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    (dest / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": f"<t{config.get('bos_token_id', 0)}>",
+                "eos_token": f"<t{eos if eos is not None else 0}>",
+                "unk_token": "<t0>",
+                "model_max_length": config.get("max_position_embeddings", 8192),
+            },
+            indent=2,
+        )
+    )
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """Dense KV bytes one token occupies across all layers: layers × KV heads × head dim × 2 × size."""
+    config = json.loads((model_dir / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads", heads)
+    return config["num_hidden_layers"] * kv_heads * head_dim * 2 * DTYPE_BYTES[dtype]

@@ -1,0 +1,164 @@
+"""Write a benchmark's results as JSON, a markdown table and a PNG plot.
+
+Only measured values go in: every number in the tables comes from the run's own JSON, and a
+value that was not measured is shown as "—" (never a placeholder number).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+#: Metrics compared between systems: (key in a run row, column title).
+METRICS: tuple[tuple[str, str], ...] = (
+    ("output_tok_s", "output tok/s"),
+    ("total_tok_s", "total tok/s"),
+    ("ttft_median_ms", "TTFT median ms"),
+    ("ttft_p99_ms", "TTFT P99 ms"),
+    ("itl_median_ms", "ITL median ms"),
+    ("peak_running", "peak running req"),
+    ("kv_bytes_per_request", "KV bytes/req"),
+)
+
+
+@dataclass(frozen=True)
+class ReportPaths:
+    """Where one run's report files go: ``<dir>/<stem>.json``, ``.md``, ``.png``."""
+
+    directory: Path
+    stem: str
+
+    @property
+    def json(self) -> Path:
+        return self.directory / f"{self.stem}.json"
+
+    @property
+    def markdown(self) -> Path:
+        return self.directory / f"{self.stem}.md"
+
+    @property
+    def png(self) -> Path:
+        return self.directory / f"{self.stem}.png"
+
+
+def ratio_rows(systems: Sequence[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
+    """project / stock for every metric, per system and concurrency measured on both."""
+    by_name = {system["name"]: system for system in systems}
+    if baseline not in by_name:
+        return []
+    base_runs = {run["concurrency"]: run for run in by_name[baseline]["runs"]}
+    rows = []
+    for system in systems:
+        if system["name"] == baseline:
+            continue
+        for run in system["runs"]:
+            base = base_runs.get(run["concurrency"])
+            if base is None:
+                continue
+            row: dict[str, Any] = {"system": system["name"], "concurrency": run["concurrency"]}
+            for key, _ in METRICS:
+                mine, theirs = run.get(key), base.get(key)
+                row[key] = mine / theirs if mine is not None and theirs else None
+            rows.append(row)
+    return rows
+
+
+def write_json(paths: ReportPaths, report: dict[str, Any]) -> None:
+    paths.directory.mkdir(parents=True, exist_ok=True)
+    paths.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as markdown: settings, one row per system and concurrency, then the ratios."""
+    settings = report["settings"]
+    lines = [
+        f"# Serving benchmark `{report['profile']}` — {report['date']}",
+        "",
+        report["description"],
+        "",
+        f"- Machine: {report['machine']}",
+        f"- Model: {settings['model']} ({settings['dtype']}, "
+        f"{settings['kv_bytes_per_token']:,} dense KV bytes/token)",
+        f"- Workload: {settings['input_len']:,} input / {settings['output_len']:,} output tokens "
+        f"(random token ids, seed {settings['seed']}), SGLang's `sglang.benchmark.serving`",
+        f"- Server arguments (both systems): `{' '.join(settings['server_args'])}`",
+        "",
+        "| system | concurrency | prompts | "
+        + " | ".join(title for _, title in METRICS)
+        + " | KV source |",
+        "|---|---:|---:|" + "---:|" * len(METRICS) + "---|",
+    ]
+    for system in report["systems"]:
+        for run in system["runs"]:
+            cells = [_fmt(run.get(key), 0 if key == "kv_bytes_per_request" else 1)
+                     for key, _ in METRICS]
+            lines.append(f"| {system['name']} | {run['concurrency']} | {run['num_prompts']} | "
+                         + " | ".join(cells) + f" | {run['kv_bytes_source']} |")
+    lines += ["", "Systems:", ""]
+    for system in report["systems"]:
+        flags = " ".join(system["flags"]) or "(none)"
+        started = (f"started in {system['startup_s']:.0f} s"
+                   if system.get("startup_s") is not None else "did not start")
+        lines.append(f"- **{system['name']}**: `{system['launcher']}` {flags} — {started}")
+        if system.get("error"):
+            lines.append(f"  - error: {system['error']}")
+    ratios = report["ratios"]
+    if ratios:
+        lines += [
+            "",
+            f"## Ratio to `{report['baseline']}` (>1 is better for throughput and running "
+            "requests, <1 is better for latency and KV bytes)",
+            "",
+            "| system | concurrency | " + " | ".join(title for _, title in METRICS) + " |",
+            "|---|---:|" + "---:|" * len(METRICS),
+        ]
+        for row in ratios:
+            lines.append(f"| {row['system']} | {row['concurrency']} | "
+                         + " | ".join(_fmt(row[key], 3) for key, _ in METRICS) + " |")
+    if report.get("notes"):
+        lines += ["", "Notes:", ""] + [f"- {note}" for note in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(paths: ReportPaths, report: dict[str, Any]) -> None:
+    paths.markdown.write_text(markdown(report))
+
+
+def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
+    """Throughput and TTFT against concurrency, one line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for system in report["systems"]:
+        runs = [run for run in system["runs"] if run.get("output_tok_s") is not None]
+        if not runs:
+            continue
+        conc = [run["concurrency"] for run in runs]
+        left.plot(conc, [run["output_tok_s"] for run in runs], marker="o", label=system["name"])
+        right.plot(conc, [run["ttft_median_ms"] / 1000 for run in runs], marker="o",
+                   label=system["name"])
+    left.set(xlabel="max concurrency", ylabel="output tokens/s", title="Throughput")
+    right.set(xlabel="max concurrency", ylabel="TTFT median (s)", title="Time to first token")
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    fig.suptitle(f"{report['profile']} — {report['date']}")
+    fig.tight_layout()
+    fig.savefig(paths.png, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,111 @@
+"""The two systems every benchmark compares, launched the same way but for sparsity.
+
+Stock SGLang is ``python -m sglang.launch_server``; the project is
+``python -m sglang_kvsparse.launch_server`` plus ``--kvsparse-*`` flags. Both get the same shared
+arguments (model, dtype, KV pool, CPU flags), built here once, so no benchmark can let them drift
+apart.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from common.models import default_model, prepare_dummy_model
+from common.server import ServerProcess, free_port
+from sglang_kvsparse.options import CONFIG_ENV
+from sglang_kvsparse.serving_defaults import gpu_available
+
+STOCK = "stock"
+LAUNCHERS = {
+    "stock": ("sglang.launch_server", "python -m sglang.launch_server"),
+    "project": ("sglang_kvsparse.launch_server", "python -m sglang_kvsparse.launch_server"),
+}
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What both systems share. ``model``: ``"default"`` or a folder name under bench/models
+    (served with dummy weights). ``device``: ``"cpu"``, ``"gpu"`` or ``"auto"``."""
+
+    model: str
+    device: str
+    dtype: str
+    max_total_tokens: int | None
+    mem_fraction_static: float | None
+    decode_log_interval: int
+    startup_timeout_s: float
+    shrink_model: bool = False
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device == "gpu" or (self.device == "auto" and gpu_available())
+
+
+def prepare_model(settings: ServerSettings, work_dir: Path) -> tuple[Path, list[str]]:
+    """The model folder and the load arguments it needs."""
+    if settings.model == "default":
+        return default_model(), []
+    folder = prepare_dummy_model(settings.model, work_dir / "model", shrink=settings.shrink_model)
+    return folder, ["--load-format", "dummy"]
+
+
+def shared_server_args(settings: ServerSettings, model_dir: Path,
+                       load_args: list[str]) -> list[str]:
+    """Arguments both systems get, so that they differ only in sparsity.
+
+    ``--decode-log-interval`` sets how often the scheduler logs ``#running-req``; the peak of
+    running requests is read from those lines.
+    """
+    args = ["--model-path", str(model_dir), *load_args, "--dtype", settings.dtype,
+            "--decode-log-interval", str(settings.decode_log_interval)]
+    if settings.max_total_tokens is not None:
+        args += ["--max-total-tokens", str(settings.max_total_tokens)]
+    if settings.mem_fraction_static is not None:
+        args += ["--mem-fraction-static", str(settings.mem_fraction_static)]
+    if not settings.on_gpu:
+        args += ["--device", "cpu", "--attention-backend", "torch_native"]
+    return args
+
+
+def args_for_report(shared: list[str], model_dir: Path) -> list[str]:
+    """Shared arguments with the model folder shown by name (its path is machine-specific)."""
+    return [arg if arg != str(model_dir) else f"<{model_dir.name}>" for arg in shared]
+
+
+def launcher_of(name: str) -> str:
+    """The command a system runs, for reports."""
+    return LAUNCHERS["stock" if name == STOCK else "project"][1]
+
+
+def server_for(name: str, flags: tuple[str, ...], shared: list[str], settings: ServerSettings,
+               log_dir: Path, progress: Callable[[str], None]) -> ServerProcess:
+    """Stock SGLang (``name == STOCK``) or the project's launcher with ``flags``."""
+    port = free_port()
+    # The plugin is installed for every SGLang process; without its variable it does nothing.
+    env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
+    module = LAUNCHERS["stock" if name == STOCK else "project"][0]
+    if name == STOCK and not settings.on_gpu:
+        env["SGLANG_USE_CPU_ENGINE"] = "1"  # the project's launcher sets it itself
+    extra = [] if name == STOCK else list(flags)
+    command = [sys.executable, "-m", module, *shared,
+               "--host", "127.0.0.1", "--port", str(port), *extra]
+    return ServerProcess(name=name, command=command, env=env, port=port,
+                         log_path=log_dir / f"server-{name}.log",
+                         startup_timeout_s=settings.startup_timeout_s, progress=progress)
+
+
+def machine() -> str:
+    """The machine, in words, for reports."""
+    cpu = f"{psutil.cpu_count()} CPU cores, {psutil.virtual_memory().total / 2**30:.0f} GiB"
+    if gpu_available():
+        import torch
+
+        return f"{torch.cuda.get_device_name(0)}, {cpu}"
+    return f"{platform.machine()} {cpu}, no GPU"

@@ -1,0 +1,166 @@
+"""Profiles of the serving benchmark (``bench/serving.py --profile NAME``).
+
+A profile fixes everything both systems share (model, KV pool, workload, concurrency sweep) and,
+per project variant, only the ``--kvsparse-*`` flags. So a comparison never differs in anything
+but sparsity, and turning sparsity on later is a one-line change of a variant's flags here (or
+``--project-flags`` on the command line, without editing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from common.systems import ServerSettings
+
+#: The project's side with sparsity off: the same code path as stock SGLang plus the plugin.
+#: Today the launcher accepts only this (the sparse backend is not built yet); a project-off vs
+#: stock run should give ratios near 1, which is how the harness itself is checked.
+PROJECT_OFF = ("--kvsparse-preset", "off")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One project configuration to compare with stock SGLang."""
+
+    name: str
+    flags: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything one serving benchmark run needs.
+
+    ``model`` is ``"default"`` (the embedded SmolLM2-135M) or the name of a folder under
+    ``bench/models`` served with dummy weights. ``num_prompts`` at a concurrency C is
+    ``max(min_prompts, prompts_per_slot × C)``: enough requests that every slot is used.
+    """
+
+    name: str
+    description: str
+    model: str
+    device: str  # "cpu", "gpu", or "auto" (whichever this machine has): chooses the CPU flags
+    dtype: str
+    input_len: int
+    output_len: int
+    concurrencies: tuple[int, ...]
+    variants: tuple[Variant, ...]
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    prompts_per_slot: int = 1
+    min_prompts: int = 2
+    seed: int = 1
+    #: Decode steps between scheduler log lines; 1 lets the peak of running requests be read
+    #: exactly from the log. Costs a log line per step, which is nothing next to a CPU step.
+    decode_log_interval: int = 1
+    startup_timeout_s: float = 900.0
+    client_timeout_s: float = 3600.0
+    shrink_model: bool = False
+
+    def server_settings(self) -> ServerSettings:
+        return ServerSettings(self.model, self.device, self.dtype, self.max_total_tokens,
+                              self.mem_fraction_static, self.decode_log_interval,
+                              self.startup_timeout_s, self.shrink_model)
+
+    def num_prompts(self, concurrency: int) -> int:
+        return max(self.min_prompts, self.prompts_per_slot * concurrency)
+
+    def dry_run(self) -> "Profile":
+        """The same profile at tiny sizes on this CPU: checks the script end to end in minutes.
+
+        A dummy-weights model keeps its architecture and vocabulary but gets the small shape of
+        ``common.models.DRY_RUN_SHAPE`` (4 layers, so gpu-novita's full layers 0-2 still fit).
+        """
+        return dataclasses.replace(
+            self,
+            name=f"{self.name}-dry-run",
+            description=f"CPU dry run of `{self.name}` at tiny sizes (timings mean nothing). "
+            + self.description,
+            device="cpu",
+            dtype="float32",
+            input_len=200,
+            output_len=8,
+            concurrencies=(1, 2),
+            max_total_tokens=4096,
+            mem_fraction_static=None,
+            prompts_per_slot=1,
+            min_prompts=2,
+            startup_timeout_s=600.0,
+            client_timeout_s=600.0,
+            shrink_model=True,
+        )
+
+
+PROFILES: dict[str, Profile] = {
+    profile.name: profile
+    for profile in (
+        Profile(
+            name="smoke",
+            description="Tiny end-to-end check of the harness (used by the test suite).",
+            model="default",
+            device="auto",
+            dtype="float32",
+            input_len=200,
+            output_len=8,
+            concurrencies=(1, 2),
+            variants=(Variant("project", PROJECT_OFF),),
+            max_total_tokens=4096,
+            startup_timeout_s=600.0,
+            client_timeout_s=600.0,
+        ),
+        Profile(
+            name="cpu-quick",
+            description="Default model on the CPU, 2,000 in / 128 out, concurrency 1, 4, 8. "
+            "One request per slot (each concurrency level is one full batch), to finish in "
+            "under 15 minutes on 2 cores.",
+            model="default",
+            device="cpu",
+            dtype="float32",
+            input_len=2000,
+            output_len=128,
+            concurrencies=(1, 4, 8),
+            variants=(Variant("project", PROJECT_OFF),),
+            max_total_tokens=24576,
+        ),
+        Profile(
+            name="cpu-long",
+            description="Default model on the CPU, 4,000 in / 256 out, concurrency 1 to 16, with "
+            "a KV pool (--max-total-tokens 12288) that holds only two dense requests: the "
+            "memory-bound regime where keeping fewer tokens should admit more requests.",
+            model="default",
+            device="cpu",
+            dtype="float32",
+            input_len=4000,
+            output_len=256,
+            concurrencies=(1, 4, 8, 16),
+            variants=(Variant("project", PROJECT_OFF),),
+            max_total_tokens=12288,
+            client_timeout_s=7200.0,
+        ),
+        Profile(
+            name="gpu-novita",
+            description="Llama-3.1-8B shape with dummy weights on one GPU, 5,000 in / 500 out, "
+            "concurrency 1 to 32; sparsity with layers 0-2 full and a budget of 1,536, then "
+            "1,024, in the other layers. KV pool capped at 65,536 tokens so that dense requests "
+            "(5,500 tokens each) fit 11 at a time: the regime where sparsity adds capacity.",
+            model="llama-3.1-8b",
+            device="gpu",
+            dtype="bfloat16",
+            input_len=5000,
+            output_len=500,
+            concurrencies=(1, 4, 8, 16, 32),
+            variants=(
+                Variant("project-b1536", ("--kvsparse-preset", "default",
+                                          "--kvsparse-full-layers", "0,1,2",
+                                          "--kvsparse-budget", "1536")),
+                Variant("project-b1024", ("--kvsparse-preset", "default",
+                                          "--kvsparse-full-layers", "0,1,2",
+                                          "--kvsparse-budget", "1024")),
+            ),
+            max_total_tokens=65536,
+            mem_fraction_static=0.85,
+            startup_timeout_s=300.0,
+            client_timeout_s=300.0,
+        ),
+    )
+}

@@ -1,0 +1,47 @@
+"""Kernels of the sparsity backend: Triton on CUDA, plain-torch references elsewhere.
+
+Each family has ``name_triton``, ``name_torch`` (same arguments and outputs) and a dispatcher
+``name`` that adds ``backend="auto"|"triton"|"torch"``. Importing this package imports Triton but
+never SGLang. See docs/kernels.md for contracts and layouts.
+"""
+
+from .compact import compact_kv, compact_kv_torch, compact_kv_triton
+from .decode_attention import (
+    DecodeConfig,
+    decode_attention_with_scores,
+    decode_attention_with_scores_torch,
+    decode_attention_with_scores_triton,
+)
+from .extend_attention import (
+    ExtendConfig,
+    extend_attention_with_stats,
+    extend_attention_with_stats_torch,
+    extend_attention_with_stats_triton,
+)
+from .selection import pool_scores, select_kept
+from .window_scores import (
+    WindowScoreConfig,
+    window_scores,
+    window_scores_torch,
+    window_scores_triton,
+)
+
+__all__ = [
+    "DecodeConfig",
+    "ExtendConfig",
+    "WindowScoreConfig",
+    "compact_kv",
+    "compact_kv_torch",
+    "compact_kv_triton",
+    "decode_attention_with_scores",
+    "decode_attention_with_scores_torch",
+    "decode_attention_with_scores_triton",
+    "extend_attention_with_stats",
+    "extend_attention_with_stats_torch",
+    "extend_attention_with_stats_triton",
+    "pool_scores",
+    "select_kept",
+    "window_scores",
+    "window_scores_torch",
+    "window_scores_triton",
+]

@@ -1,0 +1,101 @@
+"""Pooling of key scores and choice of the kept set per request and KV head (plain torch).
+
+These are a handful of vectorised torch ops that run on the GPU as they are, so they have no
+Triton twin. Pooling smooths scores over neighbouring keys so that selection keeps spans rather
+than isolated tokens; it never mixes keys of different requests.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from .common import positions_in_segment, segment_ids, segment_lengths
+
+
+def pool_scores(
+    scores: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kernel_size: int,
+    kind: Literal["max", "avg"] = "max",
+) -> torch.Tensor:
+    """Sliding max or mean of ``scores`` [total_kv, H] along keys, within each request.
+
+    The window is centred (``kernel_size`` must be odd) and clipped at request boundaries: "avg"
+    divides by the number of in-request neighbours, so edge keys are not penalised for padding.
+    Returns a new tensor of the same shape and dtype.
+    """
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"kernel_size must be a positive odd number, got {kernel_size}")
+    if kind not in ("max", "avg"):
+        raise ValueError(f"kind must be 'max' or 'avg', got {kind!r}")
+    total = scores.shape[0]
+    if kernel_size == 1 or total == 0:
+        return scores.clone()
+    seg = segment_ids(kv_indptr, total)
+    radius = kernel_size // 2
+    index = torch.arange(total, device=scores.device)
+    fill = float("-inf") if kind == "max" else 0.0
+    pooled = scores.clone()
+    count = torch.ones(total, 1, dtype=scores.dtype, device=scores.device)
+    for shift in range(-radius, radius + 1):
+        if shift == 0:
+            continue
+        src = (index + shift).clamp(0, total - 1)
+        same = ((index + shift) == src) & (seg[src] == seg)
+        neighbour = torch.where(same[:, None], scores[src], fill)
+        if kind == "max":
+            pooled = torch.maximum(pooled, neighbour)
+        else:
+            pooled = pooled + neighbour
+            count = count + same[:, None].to(scores.dtype)
+    return pooled if kind == "max" else pooled / count
+
+
+def select_kept(
+    scores: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    budget: int,
+    sink: int,
+    window: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions to keep per request and KV head: protected ones plus the best-scored rest.
+
+    Args:
+        scores: [total_kv, H_kv] (pooled) scores aligned with the requests' keys.
+        kv_indptr: [B+1] request boundaries in ``scores``.
+        budget: entries kept per request and head when the request is longer than the budget.
+        sink, window: the first ``sink`` and last ``window`` positions are always kept;
+            ``sink + window`` must not exceed ``budget``.
+
+    Returns:
+        ``(kept, kept_lens)``: kept [B, H_kv, budget_eff] int64 positions (0-based within the
+        request, ascending per head, padded with -1), budget_eff = min(budget, longest request);
+        kept_lens [B] int64 = min(budget, length). A request no longer than the budget keeps all.
+    """
+    if budget < 1 or sink < 0 or window < 0:
+        raise ValueError(f"need budget >= 1, sink >= 0, window >= 0; got {budget}, {sink}, {window}")
+    if sink + window > budget:
+        raise ValueError(f"sink ({sink}) + window ({window}) exceeds the budget ({budget})")
+    device = scores.device
+    total, heads = scores.shape
+    lens = segment_lengths(kv_indptr)
+    batch = lens.numel()
+    kept_lens = lens.clamp(max=budget)
+    max_len = int(lens.max().item()) if batch else 0
+    keep = min(budget, max_len)
+    if keep == 0:
+        return torch.empty(batch, heads, 0, dtype=torch.int64, device=device), kept_lens
+    seg = segment_ids(kv_indptr, total)
+    pos = positions_in_segment(kv_indptr, total)
+    length = lens[seg]
+    protected = (pos < sink) | (pos >= length - window) | (length <= budget)
+    # Rank: protected first (+inf), then by score; padding of short requests last (-inf).
+    rank = torch.full((batch, max_len, heads), float("-inf"), dtype=torch.float32, device=device)
+    rank[seg, pos] = torch.where(protected[:, None], float("inf"), scores.float())
+    top = torch.topk(rank, keep, dim=1).indices  # [B, keep, H]
+    top = torch.where(torch.arange(keep, device=device)[None, :, None] < kept_lens[:, None, None], top, max_len)
+    kept = torch.sort(top, dim=1).values
+    kept = torch.where(kept == max_len, -1, kept)
+    return kept.transpose(1, 2).contiguous(), kept_lens

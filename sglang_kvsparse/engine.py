@@ -1,0 +1,49 @@
+"""In-process engine with the plugin active: `sglang_kvsparse.Engine(**kwargs)`.
+
+It takes every `sglang.Engine` keyword argument, plus `kvsparse_config`, `kvsparse_preset`,
+`kvsparse_full_layers`, `kvsparse_budget` and `kvsparse_window` (as the launcher's options), and
+applies the launcher's defaults: the embedded model when no `model_path` is given, and on a
+machine with no GPU the CPU engine, torch-native attention and a bounded KV pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from sglang_kvsparse.models import ensure_default_model
+from sglang_kvsparse.options import export_to_processes, sparsity_from_args, validate_for_model
+from sglang_kvsparse.serving_defaults import (
+    check_model_path,
+    cpu_defaults,
+    enable_cpu_engine,
+    gpu_available,
+    read_model_shape,
+)
+
+_SPARSITY_KWARGS = (
+    "kvsparse_config",
+    "kvsparse_preset",
+    "kvsparse_full_layers",
+    "kvsparse_budget",
+    "kvsparse_window",
+)
+
+
+def Engine(**kwargs: Any):  # noqa: N802 - named like the sglang.Engine it returns
+    """Return a `sglang.Engine` with the kvsparse plugin configured for it."""
+    sparsity = argparse.Namespace(**{name: kwargs.pop(name, None) for name in _SPARSITY_KWARGS})
+    if kwargs.get("model_path") is None:
+        kwargs["model_path"] = str(ensure_default_model())
+    else:
+        check_model_path(kwargs["model_path"])
+    config = sparsity_from_args(sparsity)
+    validate_for_model(config, read_model_shape(kwargs["model_path"]))
+    export_to_processes(config)
+    if not gpu_available():
+        enable_cpu_engine()
+        kwargs.update(cpu_defaults(set(kwargs)))
+
+    import sglang  # only now: the CPU engine switch must precede SGLang's first import
+
+    return sglang.Engine(**kwargs)

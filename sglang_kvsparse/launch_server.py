@@ -1,0 +1,149 @@
+"""``python -m sglang_kvsparse.launch_server``: SGLang's server with the kvsparse plugin.
+
+Every ``sglang.launch_server`` argument passes through unchanged. On top of it:
+- ``--kvsparse-*`` options (docs/config.md), validated against the model before SGLang starts;
+- no ``--model-path``: the embedded default model (SmolLM2-135M-Instruct) is served;
+- no GPU: the CPU engine, the torch-native attention backend and a bounded KV pool are chosen,
+  each one stated, and only where the user did not choose;
+- bad input (missing model folder, port in use, invalid sparsity option) is one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sglang_kvsparse.config import SparsityConfigError
+from sglang_kvsparse.models import ModelUnavailableError, ensure_default_model
+from sglang_kvsparse.options import (
+    add_sparsity_arguments,
+    export_to_processes,
+    sparsity_from_args,
+    validate_for_model,
+)
+from sglang_kvsparse.serving_defaults import (
+    LaunchError,
+    check_model_path,
+    check_port_free,
+    cpu_defaults,
+    enable_cpu_engine,
+    gpu_available,
+    read_model_shape,
+)
+
+_PREFIX = "[sglang-kvsparse]"
+_DEFAULT_HOST = "127.0.0.1"
+_DEFAULT_PORT = 30000
+
+
+def _say(message: str) -> None:
+    print(f"{_PREFIX} {message}", file=sys.stderr, flush=True)
+
+
+def _own_parser() -> argparse.ArgumentParser:
+    """The options this launcher reads itself; everything else is SGLang's."""
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_kvsparse.launch_server",
+        description="SGLang server with layer-wise KV sparsity. Takes every "
+        "sglang.launch_server option as well.",
+        allow_abbrev=False,
+        add_help=False,
+    )
+    add_sparsity_arguments(parser)
+    # Read (not consumed) so that defaults and pre-flight checks see them.
+    parser.add_argument("--model-path", "--model", dest="model_path")
+    parser.add_argument("--host", default=_DEFAULT_HOST)
+    parser.add_argument("--port", type=int, default=_DEFAULT_PORT)
+    return parser
+
+
+def _given_options(argv: list[str]) -> set[str]:
+    """SGLang option names present on the command line, in ServerArgs field spelling."""
+    names = set()
+    for arg in argv:
+        if arg.startswith("--"):
+            names.add(arg[2:].split("=", 1)[0].replace("-", "_"))
+    return names
+
+
+def build_sglang_argv(argv: list[str]) -> list[str]:
+    """Validate the launch and return SGLang's argv (defaults added, ``--kvsparse-*`` removed).
+
+    Side effects, needed before SGLang is imported: the CPU engine switch and the sparsity
+    configuration are put into the environment that every SGLang process inherits.
+    """
+    parser = _own_parser()
+    own, _ = parser.parse_known_args(argv)
+    sglang_argv = _strip_sparsity_options(argv, parser)
+
+    if own.model_path is None:
+        model_path = str(ensure_default_model(log=_say))
+        sglang_argv = ["--model-path", model_path, *sglang_argv]
+        _say(f"no --model-path: serving the embedded default model {model_path}")
+    else:
+        model_path = own.model_path
+        check_model_path(model_path)
+
+    check_port_free(own.host, own.port)
+
+    try:
+        config = sparsity_from_args(own)
+    except SparsityConfigError as exc:
+        raise LaunchError(str(exc)) from None
+    validate_for_model(config, read_model_shape(model_path))
+    export_to_processes(config)
+    _say(f"sparsity: {config.describe()}")
+
+    if not gpu_available():
+        enable_cpu_engine()
+        chosen = cpu_defaults(_given_options(sglang_argv))
+        for name, value in chosen.items():
+            sglang_argv += [f"--{name.replace('_', '-')}", str(value)]
+        if chosen:
+            summary = ", ".join(f"--{n.replace('_', '-')} {v}" for n, v in chosen.items())
+            _say(f"no GPU found: running on the CPU with {summary}")
+    return sglang_argv
+
+
+def _strip_sparsity_options(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """Remove ``--kvsparse-*`` options (and their values) so SGLang never sees them."""
+    takes_value = {
+        option
+        for action in parser._actions
+        if action.dest.startswith("kvsparse_")
+        for option in action.option_strings
+    }
+    kept: list[str] = []
+    skip_next = False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in takes_value:
+            skip_next = "=" not in arg
+            continue
+        kept.append(arg)
+    return kept
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        _own_parser().print_help()
+        print("\nSGLang's own options follow.\n")
+    else:
+        try:
+            argv = build_sglang_argv(argv)
+        except (LaunchError, ModelUnavailableError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+
+    # SGLang is imported only now: the CPU engine switch must be set before its first import.
+    from sglang_kvsparse.patches.server_entry import serve
+
+    return serve(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""`sglang_kvsparse.Engine` gives an in-process engine that agrees with the stock server.
+
+The engine runs in a child Python process: `Engine.shutdown()` kills every child process of the
+process it runs in, which inside pytest would include the shared servers.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .prompts import SHORT_PROMPTS
+from .servers import server_env
+
+pytestmark = pytest.mark.e2e
+
+MAX_NEW_TOKENS = 16
+
+SCRIPT = """
+import json, sys
+import sglang_kvsparse
+
+prompts = json.loads(sys.argv[1])
+engine = sglang_kvsparse.Engine(dtype="float32", max_total_tokens=8192)
+try:
+    results = engine.generate(
+        prompt=prompts, sampling_params={"max_new_tokens": %d, "temperature": 0}
+    )
+    print("RESULT " + json.dumps([r["output_ids"] for r in results]))
+finally:
+    engine.shutdown()
+""" % MAX_NEW_TOKENS
+
+
+def test_engine_matches_stock_server(stock_server):
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(SHORT_PROMPTS)],
+        capture_output=True,
+        text=True,
+        env=server_env(),
+        timeout=600,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, result.stderr[-4000:]
+    engine_ids = json.loads(lines[0][len("RESULT "):])
+    for prompt, ids in zip(SHORT_PROMPTS, engine_ids):
+        assert ids == stock_server.generate(prompt, MAX_NEW_TOKENS)["output_ids"], prompt
+
+
+def test_engine_rejects_enabled_sparsity_until_backend_exists():
+    import sglang_kvsparse
+
+    with pytest.raises(Exception, match="no sparse attention backend"):
+        sglang_kvsparse.Engine(kvsparse_preset="snapkv")

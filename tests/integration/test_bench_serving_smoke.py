@@ -1,0 +1,62 @@
+"""The serving benchmark runs end to end: stock SGLang and the project (sparsity off), each
+started, measured at two concurrencies with SGLang's own client, stopped, and reported.
+
+No speed is asserted (the machine is shared and the numbers are the benchmark's output, not a
+target); only that both systems produced rows with positive throughput in the JSON and the
+markdown, and that no server process outlived the run. About two minutes: two server starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench_server_module() -> ModuleType:
+    """bench/common/server.py, loaded by path: bench/ is a folder of scripts, not a package."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_common_server", ROOT / "bench" / "common" / "server.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.e2e
+def test_smoke_profile_reports_both_systems(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "serving.py"), "--profile", "smoke",
+         "--out-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+
+    [report_file] = tmp_path.glob("smoke-*.json")
+    report = json.loads(report_file.read_text())
+    systems = {system["name"]: system for system in report["systems"]}
+    assert set(systems) == {"stock", "project"}
+    for system in systems.values():
+        assert system["error"] is None
+        assert [run["concurrency"] for run in system["runs"]] == [1, 2]
+        for row in system["runs"]:
+            assert row["completed"] == row["num_prompts"]
+            assert row["output_tok_s"] > 0 and row["total_tok_s"] > 0
+            assert row["ttft_median_ms"] > 0
+            assert row["peak_running"] >= 1
+    assert {(r["system"], r["concurrency"]) for r in report["ratios"]} == {
+        ("project", 1), ("project", 2)}
+
+    markdown = report_file.with_suffix(".md").read_text()
+    assert "| stock | 1 |" in markdown and "| project | 2 |" in markdown
+    assert report_file.with_suffix(".png").stat().st_size > 0
+
+    # Every process of both servers carries a marker naming its log under tmp_path.
+    assert _bench_server_module().processes_marked_under(tmp_path) == []

@@ -1,0 +1,59 @@
+"""Bad launch input gets one clear line and exit status 2, never a traceback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def _launch(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sglang_kvsparse.launch_server", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _assert_one_line_error(result: subprocess.CompletedProcess, expected: str) -> None:
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-2000:]
+    assert expected in errors[0]
+
+
+def test_missing_model_path():
+    _assert_one_line_error(_launch("--model-path", "/no/such/model"), "no such model folder")
+
+
+def test_port_in_use():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        _assert_one_line_error(_launch("--port", str(port)), f"--port {port}: already in use")
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--kvsparse-full-layers", "40"], "--kvsparse-full-layers: layer 40 is outside the model"),
+        (["--kvsparse-budget", "20"], "--kvsparse-budget: 20 is smaller than sink + window"),
+        (["--kvsparse-config", '{"policy": "nope"}'], "unknown policy"),
+        (["--kvsparse-preset", "off", "--kvsparse-budget", "512"], "has no effect while sparsity is off"),
+    ],
+)
+def test_invalid_sparsity_option(args, expected):
+    _assert_one_line_error(_launch(*args), expected)
+
+
+def test_unknown_sglang_option():
+    result = _launch("--no-such-option", "1", "--port", "0")
+    _assert_one_line_error(result, "unrecognized arguments: --no-such-option 1")
+    assert "usage:" not in result.stderr

@@ -1,0 +1,45 @@
+"""The plugin entry point: registered with SGLang, a no-op unless sparsity is enabled."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+PROBE = """
+from sglang.srt.plugins import load_plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+load_plugins()
+print("hooks", sum(len(v) for v in HookRegistry._hooks.values()))
+"""
+
+
+def _run(env_extra: dict[str, str]) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "SGLANG_USE_CPU_ENGINE": "1", **env_extra}
+    return subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env)
+
+
+def test_entry_point_is_registered():
+    from importlib.metadata import entry_points
+
+    names = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert names.get("kvsparse") == "sglang_kvsparse.patches.plugin:load"
+
+
+def test_plugin_registers_nothing_when_off():
+    result = _run({})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "hooks 0" in result.stdout
+    off = json.dumps({"enabled": False})
+    result = _run({"SGLANG_KVSPARSE_CONFIG": off})
+    assert "hooks 0" in result.stdout, result.stderr[-2000:]
+
+
+def test_plugin_refuses_enabled_sparsity_without_backend():
+    enabled = json.dumps({"enabled": True, "full_layers": [0, 1], "budget": 256})
+    result = _run({"SGLANG_KVSPARSE_CONFIG": enabled})
+    assert "no sparse attention backend" in result.stdout + result.stderr

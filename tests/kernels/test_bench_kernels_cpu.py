@@ -1,0 +1,25 @@
+"""bench/kernels.py in its CPU mode: small checks under the interpreter, reports written."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
+
+
+def test_bench_dry_run_on_cpu(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", OPENBLAS_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--dry-run", "--out-dir", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "timings here mean nothing" in proc.stdout
+    (json_file,) = tmp_path.glob("kernels-*-cpu-interpreter.json")
+    report = json.loads(json_file.read_text())
+    assert report["gpu"] == "cpu-interpreter" and report["timings_meaningful"] is False
+    assert report["checks"] and all(c["ok"] for c in report["checks"])
+    assert report["prefill"] and report["decode"] and report["compact"]
+    assert json_file.with_suffix(".md").read_text().startswith("# Kernel benchmark: cpu-interpreter")

@@ -1,0 +1,77 @@
+"""Triton decode attention with score accumulation against its torch reference (interpreter on CPU).
+
+Relative error bounds (normwise): output fp32 1e-5, fp16 5e-3 (probabilities rounded to fp16
+before P@V); score buffer 1e-5 in fp32 and 1e-4 in fp16 (fp32 logits of the same inputs). The
+output is NaN-poisoned; the score buffer starts random and is compared whole, so slots outside the
+batch must stay untouched.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from sglang_kvsparse.kernels import DecodeConfig, decode_attention_with_scores
+from sglang_kvsparse.kernels.testing import decode_queries, make_ragged_batch, rel_error
+
+OUT_REL = {torch.float32: 1e-5, torch.float16: 5e-3}
+SCORE_REL = {torch.float32: 1e-5, torch.float16: 1e-4}
+KV_LENS = [1, 290, 77, 130]
+
+
+def run_both(batch, q, num_kv_splits, config=None):
+    init = torch.rand(batch.k_buf.shape[:2], generator=torch.Generator().manual_seed(9)).to(q.device)
+    results = []
+    for backend in ("triton", "torch"):
+        score_buf = init.clone()
+        o = decode_attention_with_scores(
+            q, batch.k_buf, batch.v_buf, batch.kv_indptr, batch.kv_indices, score_buf, batch.sm_scale,
+            num_kv_splits=num_kv_splits, out=torch.full_like(q, float("nan")), config=config, backend=backend,
+        )
+        results.append((o, score_buf))
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_decode_matches_reference(group, head_dim, dtype, device):
+    batch = make_ragged_batch([0] * len(KV_LENS), KV_LENS, 2, group, head_dim, dtype, device, seed=group)
+    q = decode_queries(batch)
+    (o, scores), (o_ref, scores_ref) = run_both(batch, q, num_kv_splits=2)
+    assert o.dtype == dtype
+    assert rel_error(o, o_ref) <= OUT_REL[dtype]
+    assert rel_error(scores, scores_ref) <= SCORE_REL[dtype]
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 8])
+def test_decode_splits(num_kv_splits, device):
+    """More splits than key blocks leaves empty splits, which the merge must ignore."""
+    batch = make_ragged_batch([0] * len(KV_LENS), KV_LENS, 1, 4, 64, torch.float32, device, seed=3)
+    batch = dataclasses.replace(batch, kv_indices=batch.kv_indices.int())  # int32 indices work too
+    q = decode_queries(batch)
+    (o, scores), (o_ref, scores_ref) = run_both(batch, q, num_kv_splits, DecodeConfig(block_n=32))
+    assert rel_error(o, o_ref) <= OUT_REL[torch.float32]
+    assert rel_error(scores, scores_ref) <= SCORE_REL[torch.float32]
+
+
+def test_decode_bf16_and_empty_request(device):
+    """bf16 inputs (upcast in the interpreter), and a request with no keys gets a zero output."""
+    batch = make_ragged_batch([0, 0, 0], [40, 0, 70], 2, 3, 64, torch.bfloat16, device, seed=8)
+    q = decode_queries(batch)
+    (o, scores), (o_ref, scores_ref) = run_both(batch, q, num_kv_splits=2)
+    assert rel_error(o, o_ref) <= 2e-2
+    assert rel_error(scores, scores_ref) <= 1e-4
+    assert torch.count_nonzero(o[1]) == 0
+
+
+def test_decode_scores_add_one_per_query_head(device):
+    """Probabilities of each query head sum to 1: the batch's score mass grows by B * H_q."""
+    batch = make_ragged_batch([0] * len(KV_LENS), KV_LENS, 2, 3, 64, torch.float32, device, seed=6)
+    q = decode_queries(batch)
+    score_buf = torch.zeros(batch.k_buf.shape[:2], device=device)
+    decode_attention_with_scores(
+        q, batch.k_buf, batch.v_buf, batch.kv_indptr, batch.kv_indices, score_buf, batch.sm_scale,
+        num_kv_splits=3, backend="triton",
+    )
+    assert abs(score_buf.sum().item() - len(KV_LENS) * 6) < 1e-4

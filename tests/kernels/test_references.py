@@ -1,0 +1,112 @@
+"""The torch references against straightforward dense softmax attention in float64.
+
+The dense versions materialise the whole [queries x all keys of the batch] score matrix with a mask
+for "same request and causally visible", a different formulation from the references' per-request
+loops, so a shared bug is unlikely. Bound: normwise relative error <= 1e-10 (float64 throughout).
+"""
+
+import pytest
+import torch
+
+from sglang_kvsparse.kernels import (
+    compact_kv_torch,
+    decode_attention_with_scores_torch,
+    extend_attention_with_stats_torch,
+    window_scores_torch,
+)
+from sglang_kvsparse.kernels.common import segment_ids
+from sglang_kvsparse.kernels.testing import decode_queries, make_ragged_batch, rel_error
+
+REL = 1e-10
+Q_LENS = [37, 150, 5, 1]
+KV_LENS = [37, 290, 133, 20]
+
+
+def dense_probs(batch, group):
+    """[T_q, H_q, T_kv] float64 probabilities and [T_q, H_q] LSE over the whole batch's keys."""
+    q = batch.q.double()
+    k = batch.k_buf.double()[batch.kv_indices]  # [T_kv, H_kv, D]
+    k = k.repeat_interleave(group, dim=1)  # [T_kv, H_q, D]
+    logits = torch.einsum("ihd,thd->iht", q, k) * batch.sm_scale
+    q_req = segment_ids(batch.qo_indptr, q.shape[0])
+    kv_req = segment_ids(batch.kv_indptr, k.shape[0])
+    q_pos = torch.arange(q.shape[0]) - batch.qo_indptr.long()[q_req]
+    q_pos = q_pos + (batch.kv_indptr.diff() - batch.qo_indptr.diff()).long()[q_req]
+    kv_pos = torch.arange(k.shape[0]) - batch.kv_indptr.long()[kv_req]
+    mask = (q_req[:, None] == kv_req[None, :]) & (kv_pos[None, :] <= q_pos[:, None])
+    logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    return torch.exp(logits - lse[..., None]), lse
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_extend_reference_matches_dense(group):
+    batch = make_ragged_batch(Q_LENS, KV_LENS, 2, group, 16, torch.float64)
+    probs, lse = dense_probs(batch, group)
+    v = batch.v_buf[batch.kv_indices].repeat_interleave(group, dim=1)
+    o_dense = torch.einsum("iht,thd->ihd", probs, v)
+    o, lse_ref = extend_attention_with_stats_torch(
+        batch.q, batch.k_buf, batch.v_buf, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.sm_scale,
+        lse_out=torch.empty_like(lse),  # float64 instead of the default float32
+    )
+    assert rel_error(o, o_dense) <= REL
+    assert rel_error(lse_ref, lse) <= REL
+
+
+@pytest.mark.parametrize("window", [4, 64, 500])
+def test_window_reference_matches_dense(window):
+    group, heads = 3, 2
+    batch = make_ragged_batch(Q_LENS, KV_LENS, heads, group, 16, torch.float64)
+    probs, lse = dense_probs(batch, group)
+    q_req = segment_ids(batch.qo_indptr, batch.q.shape[0])
+    from_end = batch.qo_indptr.long()[1:][q_req] - torch.arange(batch.q.shape[0])  # 1 = last query
+    in_window = from_end <= window
+    dense = (probs * in_window[:, None, None]).sum(0)  # [H_q, T_kv]
+    dense = dense.unflatten(0, (heads, group)).sum(1).T  # [T_kv, H_kv]
+    scores = window_scores_torch(
+        batch.q, batch.k_buf, lse, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, window, batch.sm_scale,
+        out=torch.empty_like(dense),  # float64 instead of the default float32
+    )
+    assert rel_error(scores, dense) <= REL
+
+
+def test_decode_reference_matches_dense():
+    group, heads = 4, 2
+    batch = make_ragged_batch([0, 0, 0], [1, 290, 77], heads, group, 16, torch.float64)
+    q = decode_queries(batch)
+    k = batch.k_buf[batch.kv_indices].repeat_interleave(group, dim=1)  # [T_kv, H_q, D]
+    v = batch.v_buf[batch.kv_indices].repeat_interleave(group, dim=1)
+    logits = torch.einsum("bhd,thd->bht", q, k) * batch.sm_scale
+    kv_req = segment_ids(batch.kv_indptr, k.shape[0])
+    same = torch.arange(q.shape[0])[:, None] == kv_req[None, :]
+    probs = torch.softmax(logits.masked_fill(~same[:, None, :], float("-inf")), dim=-1)
+    o_dense = torch.einsum("bht,thd->bhd", probs, v)
+    init = torch.rand(batch.k_buf.shape[:2], dtype=torch.float64)
+    expected_scores = init.clone()
+    expected_scores[batch.kv_indices] += probs.sum(0).unflatten(0, (heads, group)).sum(1).T
+    score_buf = init.clone()
+    o = decode_attention_with_scores_torch(
+        q, batch.k_buf, batch.v_buf, batch.kv_indptr, batch.kv_indices, score_buf, batch.sm_scale
+    )
+    assert rel_error(o, o_dense) <= REL
+    assert rel_error(score_buf, expected_scores) <= REL
+
+
+def test_compact_reference_gathers_before_scattering():
+    """Overlapping in-place compaction must read every source before any write (explicit loop)."""
+    slots, heads, dim = 12, 3, 4
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(slots, heads, dim, generator=gen)
+    v = torch.randn(slots, heads, dim, generator=gen)
+    s = torch.rand(slots, heads, generator=gen)
+    # Entry j moves down to slot j; sources are later slots of the same range, per head.
+    src = torch.tensor([[2, 5, 1], [4, 3, 0], [1, 6, 7], [7, 0, 2]])
+    dst = torch.arange(4)
+    expected = [t.clone() for t in (k, v, s)]
+    for j in range(4):
+        for h in range(heads):
+            for buf, orig in zip(expected, (k, v, s)):
+                buf[dst[j], h] = orig[src[j, h], h]
+    compact_kv_torch(k, v, s, src, dst)
+    for got, want in zip((k, v, s), expected):
+        assert torch.equal(got, want)

@@ -1,0 +1,78 @@
+"""Score pooling and kept-set selection against naive per-request loops."""
+
+import pytest
+import torch
+
+from sglang_kvsparse.kernels import pool_scores, select_kept
+from sglang_kvsparse.kernels.testing import indptr_from_lens
+
+LENS = [1, 7, 30, 4, 19]
+
+
+def naive_pool(scores, lens, kernel_size, kind):
+    out, start, r = [], 0, kernel_size // 2
+    for n in lens:
+        seg = scores[start : start + n]
+        for i in range(n):
+            win = seg[max(0, i - r) : i + r + 1]
+            out.append(win.max(0).values if kind == "max" else win.mean(0))
+        start += n
+    return torch.stack(out)
+
+
+def naive_select(scores, lens, budget, sink, window):
+    rows, start = [], 0
+    for n in lens:
+        seg = scores[start : start + n]
+        per_head = []
+        for h in range(scores.shape[1]):
+            if n <= budget:
+                per_head.append(list(range(n)))
+                continue
+            protected = set(range(min(sink, n))) | set(range(n - window, n))
+            rest = sorted(set(range(n)) - protected, key=lambda i: -seg[i, h].item())
+            per_head.append(sorted(protected | set(rest[: budget - len(protected)])))
+        rows.append(per_head)
+        start += n
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["max", "avg"])
+@pytest.mark.parametrize("kernel_size", [1, 3, 7])
+def test_pool_matches_naive(kernel_size, kind):
+    scores = torch.rand(sum(LENS), 2, generator=torch.Generator().manual_seed(kernel_size))
+    pooled = pool_scores(scores, indptr_from_lens(LENS, "cpu"), kernel_size, kind)
+    assert torch.allclose(pooled, naive_pool(scores, LENS, kernel_size, kind), rtol=1e-6)
+
+
+def test_pool_does_not_bleed_across_requests():
+    scores = torch.zeros(sum(LENS), 1)
+    scores[7] = 100.0  # last key of request 1
+    pooled = pool_scores(scores, indptr_from_lens(LENS, "cpu"), 5, "max")
+    assert pooled[8:10].abs().sum() == 0  # first keys of request 2 stay 0
+    assert pooled[5:8].min() == 100.0
+
+
+@pytest.mark.parametrize("kernel_size, kind", [(4, "max"), (0, "avg"), (3, "sum")])
+def test_pool_rejects_bad_arguments(kernel_size, kind):
+    with pytest.raises(ValueError):
+        pool_scores(torch.zeros(5, 1), indptr_from_lens([5], "cpu"), kernel_size, kind)
+
+
+@pytest.mark.parametrize("budget, sink, window", [(10, 2, 3), (5, 0, 0), (6, 6, 0), (30, 1, 1)])
+def test_select_matches_naive(budget, sink, window):
+    scores = torch.rand(sum(LENS), 3, generator=torch.Generator().manual_seed(budget))
+    kept, kept_lens = select_kept(scores, indptr_from_lens(LENS, "cpu"), budget, sink, window)
+    expected = naive_select(scores, LENS, budget, sink, window)
+    assert kept.dtype == torch.int64 and kept.shape == (len(LENS), 3, min(budget, max(LENS)))
+    assert kept_lens.tolist() == [min(n, budget) for n in LENS]
+    for b, per_head in enumerate(expected):
+        for h, positions in enumerate(per_head):
+            n = len(positions)
+            assert kept[b, h, :n].tolist() == positions
+            assert (kept[b, h, n:] == -1).all()
+
+
+def test_select_rejects_protected_over_budget():
+    with pytest.raises(ValueError):
+        select_kept(torch.zeros(10, 1), indptr_from_lens([10], "cpu"), budget=4, sink=2, window=3)

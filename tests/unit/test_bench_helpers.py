@@ -1,0 +1,58 @@
+"""Pure helpers of the serving benchmark: reading the scheduler log and computing ratios.
+
+The log lines are copied from a real SGLang 0.5.23 CPU run, so a format change in SGLang shows
+up here rather than as a silently empty column in a benchmark report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(relative: str) -> ModuleType:
+    """Load a bench/ module by path: bench/ is a folder of scripts, not a package."""
+    name = "bench_" + relative.replace("/", "_").removesuffix(".py")
+    spec = importlib.util.spec_from_file_location(name, BENCH / relative)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+server = _load("common/server.py")
+report = _load("common/report.py")
+
+LOG = """\
+[2026-11-29 09:28:33] Prefill batch, #new-seq: 1, #new-token: 200, #cached-token: 0, token usage: 0.10, #running-req: 0, #queue-req: 0, #pending-token: 0, cpu graph: False, input throughput (token/s): 19.13
+[2026-11-29 09:28:34] Prefill batch, #new-seq: 2, #new-token: 400, #cached-token: 0, token usage: 0.10, #running-req: 1, #queue-req: 0, #pending-token: 0, cpu graph: False, input throughput (token/s): 140.20
+[2026-11-29 09:28:35] Decode batch, #running-req: 2, #token: 404, token usage: 0.10, cpu graph: False, gen throughput (token/s): 0.20, #queue-req: 0
+"""
+
+
+def test_peak_counts_new_sequences_of_a_prefill_batch() -> None:
+    assert server.peak_running_requests(LOG) == 3
+
+
+def test_peak_is_none_without_scheduler_lines() -> None:
+    assert server.peak_running_requests("INFO: 127.0.0.1 - POST /generate 200\n") is None
+
+
+def _system(name: str, tok_s: float, ttft: float | None) -> dict:
+    run = {key: None for key, _ in report.METRICS}
+    run.update(concurrency=1, output_tok_s=tok_s, ttft_median_ms=ttft)
+    return {"name": name, "runs": [run]}
+
+
+def test_ratio_is_project_over_stock_and_none_when_unmeasured() -> None:
+    [row] = report.ratio_rows([_system("stock", 10.0, 100.0), _system("p", 15.0, None)], "stock")
+    assert row["system"] == "p" and row["output_tok_s"] == 1.5
+    assert row["ttft_median_ms"] is None and row["peak_running"] is None
+
+
+def test_no_ratios_when_the_baseline_did_not_run() -> None:
+    assert report.ratio_rows([_system("p", 15.0, 1.0)], "stock") == []
