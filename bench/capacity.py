@@ -164,7 +164,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "Peak running requests: the most requests holding KV at once in the server's scheduler "
-        "log. SGLang admits fewer than the dense limit because it reserves room for the running "
+        "log. SGLang may admit fewer than the dense limit: it reserves room for the running "
         "requests' future tokens. KV bytes per layer is the mean over layers (full and sparse "
         "layers differ); per-layer detail needs the project's stats endpoint to expose it.",
     ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import os
 import shlex
 import signal
 import sys
@@ -82,6 +83,7 @@ def measure(server: ServerProcess, profile: Profile, concurrency: int, log_dir: 
     say(f"[{server.name}] concurrency {concurrency}: {workload.num_prompts} prompts of "
         f"{workload.input_len} in / {workload.output_len} out")
     bookmark = server.log_size()
+    load_before = os.getloadavg()[0]
     with KvStatsPoller(server.base_url) as poller:
         result = run_client(server.base_url, workload,
                             result_file=log_dir / f"client-{server.name}.jsonl",
@@ -101,6 +103,9 @@ def measure(server: ServerProcess, profile: Profile, concurrency: int, log_dir: 
         "peak_running": peak_running_requests(server.log_since(bookmark)),
         "kv_bytes_per_request": kv_bytes,
         "kv_bytes_source": kv_source,
+        # Other work on the machine (1-minute load average at start and end of the level):
+        # above the number of cores means something else competed for the CPU.
+        "load_avg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "client": result,
     }
 

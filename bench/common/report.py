@@ -95,17 +95,19 @@ def markdown(report: dict[str, Any]) -> str:
         f"(random token ids, seed {settings['seed']}), SGLang's `sglang.benchmark.serving`",
         f"- Server arguments (both systems): `{' '.join(settings['server_args'])}`",
         "",
-        "| system | concurrency | prompts | "
+        "| system | concurrency | done/sent | "
         + " | ".join(title for _, title in METRICS)
-        + " | KV source |",
-        "|---|---:|---:|" + "---:|" * len(METRICS) + "---|",
+        + " | KV source | load avg |",
+        "|---|---:|---:|" + "---:|" * len(METRICS) + "---|---|",
     ]
     for system in report["systems"]:
         for run in system["runs"]:
             cells = [_fmt(run.get(key), 0 if key == "kv_bytes_per_request" else 1)
                      for key, _ in METRICS]
-            lines.append(f"| {system['name']} | {run['concurrency']} | {run['num_prompts']} | "
-                         + " | ".join(cells) + f" | {run['kv_bytes_source']} |")
+            load = " → ".join(f"{value:.1f}" for value in run["load_avg"])
+            lines.append(f"| {system['name']} | {run['concurrency']} | "
+                         f"{run['completed']}/{run['num_prompts']} | " + " | ".join(cells)
+                         + f" | {run['kv_bytes_source']} | {load} |")
     lines += ["", "Systems:", ""]
     for system in report["systems"]:
         flags = " ".join(system["flags"]) or "(none)"
@@ -127,6 +129,8 @@ def markdown(report: dict[str, Any]) -> str:
         for row in ratios:
             lines.append(f"| {row['system']} | {row['concurrency']} | "
                          + " | ".join(_fmt(row[key], 3) for key, _ in METRICS) + " |")
+    lines += ["", "Load avg: the machine's 1-minute load average at the start and end of each "
+              "level; above its core count, other work competed with the benchmark."]
     if report.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
@@ -154,8 +158,11 @@ def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
                    label=system["name"])
     left.set(xlabel="max concurrency", ylabel="output tokens/s", title="Throughput")
     right.set(xlabel="max concurrency", ylabel="TTFT median (s)", title="Time to first token")
+    levels = sorted({run["concurrency"] for system in report["systems"] for run in system["runs"]})
     for axis in (left, right):
         axis.set_xscale("log", base=2)
+        axis.set_xticks(levels, [str(level) for level in levels])
+        axis.minorticks_off()
         axis.grid(True, alpha=0.3)
         axis.legend()
     fig.suptitle(f"{report['profile']} — {report['date']}")

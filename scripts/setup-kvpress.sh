@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Create .venv-kvpress in the repository root: NVIDIA kvpress, the external accuracy reference of
+# bench/fidelity_kvpress.py. Idempotent: when the lock file and the project's metadata are unchanged
+# it returns in seconds.
+#
+#   kvpress 0.5.5 pins transformers 5.2 while SGLang 0.5.23 needs 5.19, so kvpress gets its own
+#   environment (about 1.5 GB, about a minute): torch 2.13.0 (CPU build), transformers, kvpress and
+#   the essay corpus, all pinned in requirements/kvpress.lock and installed with --no-deps so pip
+#   never re-resolves them. The project is installed editable (no dependencies) so the benchmark
+#   imports sglang_kvsparse.retrieval, .texts and .models, which need nothing heavy.
+#   The model itself is the one scripts/setup.sh converts (the conversion needs packages of .venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+venv="$root/.venv-kvpress"
+lock="$root/requirements/kvpress.lock"
+python=${PYTHON:-python3}
+
+stamp_of() { cat "$lock" "$root/pyproject.toml" "$0" | sha256sum | cut -d' ' -f1; }
+stamp_file="$venv/.kvsparse-setup-stamp"
+
+if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$(stamp_of)" ]; then
+    echo "[setup-kvpress] .venv-kvpress is up to date"
+else
+    echo "[setup-kvpress] creating $venv (about a minute on a fresh machine)"
+    "$python" -m venv "$venv"
+    pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+    "${pip[@]}" install -q --upgrade "pip==24.3.1" "wheel==0.48.0" "setuptools==84.2.1"
+    "${pip[@]}" install -q --no-deps -r "$lock"
+    "${pip[@]}" install -q --no-deps --no-build-isolation -e "$root"
+    stamp_of > "$stamp_file"
+fi
+
+if [ -x "$root/.venv/bin/python" ]; then
+    echo "[setup-kvpress] model: $("$root/.venv/bin/python" -m sglang_kvsparse.models path)"
+else
+    echo "[setup-kvpress] run scripts/setup.sh too: it converts the model both environments load"
+fi
+echo "[setup-kvpress] ready: $venv"

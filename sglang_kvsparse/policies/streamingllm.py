@@ -1,0 +1,26 @@
+"""StreamingLLM: attention sinks plus the most recent tokens, ignoring content."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang_kvsparse.kernels.common import positions_in_segment
+from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
+
+
+@dataclass(frozen=True)
+class StreamingLLMPolicy(ScoringPolicy):
+    """Score = position: the selection then keeps the sinks and the latest tokens.
+
+    The baseline every attention-based policy must beat; it needs no attention statistics.
+    """
+
+    name = "streamingllm"
+
+    def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
+        total = inputs.kv_indices.numel()
+        heads = inputs.k_buf.shape[1]
+        position = positions_in_segment(inputs.kv_indptr, total).to(torch.float32)
+        return position[:, None].expand(total, heads).contiguous()
