@@ -4,6 +4,11 @@ SGLang calls `load` early in each of its processes, the spawned schedulers inclu
 sparsity configuration arrives through the environment (`sglang_kvsparse.options.CONFIG_ENV`),
 set by the project's launcher or engine factory. Without it this plugin registers nothing: an
 installed plugin with sparsity off leaves SGLang exactly as shipped.
+
+SGLang logs and swallows a plugin's exceptions, and a hook that fails to apply leaves stock code
+running. So failures are made visible elsewhere: the scheduler-side hook (`patches/memory.py`)
+refuses to start unless the attention backend is installed, and the launcher calls
+`verify_loaded` after SGLang loaded the plugins.
 """
 
 from __future__ import annotations
@@ -11,18 +16,60 @@ from __future__ import annotations
 import json
 import os
 
-from sglang_kvsparse.config import parse_config
+from sglang_kvsparse.config import SparsityConfig, parse_config
 from sglang_kvsparse.options import CONFIG_ENV
+
+
+def configured() -> SparsityConfig | None:
+    """The enabled configuration from the environment, or None when this server is stock."""
+    raw = os.environ.get(CONFIG_ENV)
+    if raw is None:
+        return None
+    config = parse_config(json.dumps(json.loads(raw)))
+    return config if config.enabled else None
 
 
 def load() -> None:
     """Register the project's hooks when sparsity is enabled for this server; else do nothing."""
-    raw = os.environ.get(CONFIG_ENV)
-    if raw is None:
+    config = configured()
+    if config is None:
         return
-    config = parse_config(json.dumps(json.loads(raw)))
-    if config.enabled:
-        raise RuntimeError(
-            f"{CONFIG_ENV} enables layer-wise sparsity, but this build has no sparse attention "
-            "backend yet; unset it or use --kvsparse-preset off"
-        )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from . import attention, memory, observability
+
+    attention.install()
+    HookRegistry.register(memory.TARGET, memory.make_attach_state(config), HookType.AFTER)
+    HookRegistry.register(observability.TARGET, observability.add_stats, HookType.AFTER)
+
+
+def verify_loaded() -> None:
+    """Raise when sparsity is enabled but this process's patches are not in place."""
+    if configured() is None:
+        return
+    from . import attention, memory, observability
+
+    missing = [
+        target
+        for target in (memory.TARGET, observability.TARGET)
+        if not hasattr(_resolve(target), "__wrapped__")
+    ]
+    if not attention.installed():
+        missing.append("attention registry (torch_native/triton)")
+    if missing:
+        raise RuntimeError(f"kvsparse plugin did not apply: {', '.join(missing)} (see the log above)")
+
+
+def _resolve(dotted: str) -> object:
+    import importlib
+
+    module_name, _, rest = dotted.partition(".")
+    obj: object = importlib.import_module(module_name)
+    path = module_name
+    for part in rest.split("."):
+        path = f"{path}.{part}"
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            obj = importlib.import_module(path)
+    return obj

@@ -1,7 +1,8 @@
 """Starting SGLang's HTTP server from the project's launcher (SGLang 0.5.23 internals).
 
 Mirrors what ``python -m sglang.launch_server`` does (load plugins, parse, run, clean up the
-process tree), with bad options reported in one line instead of SGLang's full usage text.
+process tree), with bad options reported in one line instead of SGLang's full usage text. With
+sparsity enabled it also checks that the plugin applied and adds the ``/kvsparse/stats`` route.
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ def _option_error(argv: list[str]) -> str | None:
 def serve(argv: list[str]) -> int:
     """Run SGLang's server with `argv` (already completed by the launcher) until it stops."""
     load_plugins()
+    from sglang_kvsparse.patches import plugin
+
+    try:
+        plugin.verify_loaded()
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if plugin.configured() is not None:
+        from sglang_kvsparse.patches.observability import add_route
+
+        add_route()
     if "-h" not in argv and "--help" not in argv:
         problem = _option_error(argv)
         if problem is not None:

@@ -12,7 +12,12 @@ import argparse
 from typing import Any
 
 from sglang_kvsparse.models import ensure_default_model
-from sglang_kvsparse.options import export_to_processes, sparsity_from_args, validate_for_model
+from sglang_kvsparse.options import (
+    export_to_processes,
+    sparse_sglang_defaults,
+    sparsity_from_args,
+    validate_for_model,
+)
 from sglang_kvsparse.serving_defaults import (
     check_model_path,
     cpu_defaults,
@@ -40,6 +45,7 @@ def Engine(**kwargs: Any):  # noqa: N802 - named like the sglang.Engine it retur
     config = sparsity_from_args(sparsity)
     validate_for_model(config, read_model_shape(kwargs["model_path"]))
     export_to_processes(config)
+    kwargs.update(sparse_sglang_defaults(config, kwargs, cpu=not gpu_available()))
     if not gpu_available():
         enable_cpu_engine()
         kwargs.update(cpu_defaults(set(kwargs)))

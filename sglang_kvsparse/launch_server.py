@@ -16,13 +16,16 @@ import sys
 from sglang_kvsparse.config import SparsityConfigError
 from sglang_kvsparse.models import ModelUnavailableError, ensure_default_model
 from sglang_kvsparse.options import (
+    RADIX_FORCE_MISS_ENV,
     add_sparsity_arguments,
     export_to_processes,
+    sparse_sglang_defaults,
     sparsity_from_args,
     validate_for_model,
 )
 from sglang_kvsparse.serving_defaults import (
     LaunchError,
+    as_cli_flags,
     check_model_path,
     check_port_free,
     cpu_defaults,
@@ -54,6 +57,9 @@ def _own_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-path", "--model", dest="model_path")
     parser.add_argument("--host", default=_DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=_DEFAULT_PORT)
+    parser.add_argument("--chunked-prefill-size", type=int)
+    parser.add_argument("--enable-mixed-chunk", action="store_true", default=None)
+    parser.add_argument("--mem-fraction-static", type=float)
     return parser
 
 
@@ -93,15 +99,25 @@ def build_sglang_argv(argv: list[str]) -> list[str]:
     validate_for_model(config, read_model_shape(model_path))
     export_to_processes(config)
     _say(f"sparsity: {config.describe()}")
+    given = {
+        "chunked_prefill_size": own.chunked_prefill_size,
+        "enable_mixed_chunk": own.enable_mixed_chunk,
+        "mem_fraction_static": own.mem_fraction_static,
+    }
+    needed = sparse_sglang_defaults(
+        config, {k: v for k, v in given.items() if v is not None}, cpu=not gpu_available()
+    )
+    sglang_argv += as_cli_flags(needed)
+    if config.enabled:
+        added = " ".join(as_cli_flags(needed))
+        _say(f"sparse layers: prefix reuse off ({RADIX_FORCE_MISS_ENV}=1, radix tree kept); added: {added or 'nothing'}")
 
     if not gpu_available():
         enable_cpu_engine()
         chosen = cpu_defaults(_given_options(sglang_argv))
-        for name, value in chosen.items():
-            sglang_argv += [f"--{name.replace('_', '-')}", str(value)]
+        sglang_argv += as_cli_flags(chosen)
         if chosen:
-            summary = ", ".join(f"--{n.replace('_', '-')} {v}" for n, v in chosen.items())
-            _say(f"no GPU found: running on the CPU with {summary}")
+            _say(f"no GPU found: running on the CPU with {' '.join(as_cli_flags(chosen))}")
     return sglang_argv
 
 

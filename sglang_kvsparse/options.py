@@ -18,6 +18,19 @@ from sglang_kvsparse.serving_defaults import LaunchError, ModelShape
 #: Environment variable carrying the effective sparsity configuration (JSON) to every process.
 CONFIG_ENV = "SGLANG_KVSPARSE_CONFIG"
 
+#: --mem-fraction-static for a sparse server on the CPU (see `sparse_sglang_defaults`).
+CPU_SPARSE_MEM_FRACTION = 0.8
+
+#: SGLang options a sparse server needs on a GPU (docs/sparse-backend-plan.md §7).
+GPU_SPARSE_OPTIONS: dict[str, object] = {
+    "disable_overlap_schedule": True,
+    "cuda_graph_backend_decode": "disabled",
+    "cuda_graph_backend_prefill": "disabled",
+}
+
+#: SGLang's switch that makes every radix-cache lookup a miss (set with sparsity on).
+RADIX_FORCE_MISS_ENV = "SGLANG_RADIX_FORCE_MISS"
+
 #: Preset used when no sparsity option is given. It stays "off" until the sparse attention
 #: backend is part of the build; the launcher prints it at start-up.
 LAUNCHER_DEFAULT_PRESET = "off"
@@ -65,16 +78,53 @@ def validate_for_model(config: SparsityConfig, shape: ModelShape | None) -> None
             config.resolve(shape.num_layers, shape.context_len)
     except SparsityConfigError as exc:
         raise LaunchError(str(exc)) from None
-    if config.enabled:
-        raise LaunchError(
-            "layer-wise sparsity is configured, but this build has no sparse attention backend "
-            "yet; only --kvsparse-preset off can be served for now"
-        )
+    if config.enabled and shape is not None:
+        resolved = config.resolve(shape.num_layers, shape.context_len)
+        short = [layer for layer in resolved.sparse_layers if not resolved.keeps_all(layer)]
+        if short:
+            raise LaunchError(
+                f"sparse layers {short} have budgets below the model's context length "
+                f"({shape.context_len}): prefill compression is not built yet, so every sparse "
+                f"budget must be >= {shape.context_len} (e.g. --kvsparse-budget {shape.context_len})"
+            )
 
 
 def export_to_processes(config: SparsityConfig) -> None:
-    """Hand the configuration to every SGLang process, or clear it when sparsity is off."""
+    """Hand the configuration to every SGLang process, or clear it when sparsity is off.
+
+    With sparsity on, SGLang's own switch `RADIX_FORCE_MISS_ENV` turns prefix reuse off (the
+    radix tree stays on): a cached prefix has no sparse-layer K/V to reuse yet.
+    """
     if config.enabled:
         os.environ[CONFIG_ENV] = json.dumps(config.to_dict())
+        os.environ[RADIX_FORCE_MISS_ENV] = "1"
     else:
         os.environ.pop(CONFIG_ENV, None)
+
+
+def sparse_sglang_defaults(config: SparsityConfig, given: dict[str, object], *, cpu: bool) -> dict[str, object]:
+    """SGLang options a sparse server needs, given the ones the user set (field spelling).
+
+    Chunked prefill would split a prompt whose sparse-layer K/V must be complete in one forward,
+    so it is turned off, and a user value that turns it on is refused. Without chunking, SGLang
+    reserves 1.5 MB of activations per prefill token (16k tokens: more than a small machine has)
+    when it derives --mem-fraction-static, so on the CPU, where --max-total-tokens bounds the KV
+    pool anyway, a fixed fraction is given instead. On a GPU, overlap scheduling (the next step's
+    slot allocation would race the running forward) and CUDA graphs (sparse metadata is rebuilt in
+    Python every step) are turned off (`GPU_SPARSE_OPTIONS`).
+    """
+    if not config.enabled:
+        return {}
+    chunk = given.get("chunked_prefill_size")
+    if chunk is not None and int(chunk) > 0:
+        raise LaunchError(
+            "chunked prefill is not supported with layer-wise sparsity yet; use --chunked-prefill-size -1"
+        )
+    if given.get("enable_mixed_chunk"):
+        raise LaunchError("--enable-mixed-chunk is not supported with layer-wise sparsity yet")
+    chosen: dict[str, object] = {} if chunk is not None else {"chunked_prefill_size": -1}
+    if cpu and given.get("mem_fraction_static") is None:
+        chosen["mem_fraction_static"] = CPU_SPARSE_MEM_FRACTION
+    if not cpu:
+        chosen.update(GPU_SPARSE_OPTIONS)
+    return chosen

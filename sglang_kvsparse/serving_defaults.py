@@ -46,13 +46,26 @@ def cpu_defaults(given: set[str]) -> dict[str, object]:
     """SGLang options to add on a CPU-only machine, for those the user did not give.
 
     `given` holds option names in SGLang's ``ServerArgs`` field spelling (``max_total_tokens``).
+    ``True`` marks a switch (a flag without a value). ``sleep_on_idle``: an idle scheduler
+    otherwise polls in a busy loop and keeps a whole core, which on a small machine slows every
+    other process (a second server, the benchmark client) by as much.
     """
     wanted: dict[str, object] = {
         "device": "cpu",
         "attention_backend": "torch_native",
         "max_total_tokens": CPU_MAX_TOTAL_TOKENS,
+        "sleep_on_idle": True,
     }
     return {name: value for name, value in wanted.items() if name not in given}
+
+
+def as_cli_flags(options: dict[str, object]) -> list[str]:
+    """``{"max_total_tokens": 8, "sleep_on_idle": True}`` as ``--max-total-tokens 8 --sleep-on-idle``."""
+    flags: list[str] = []
+    for name, value in options.items():
+        flag = f"--{name.replace('_', '-')}"
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
 
 
 def enable_cpu_engine() -> None:

@@ -70,7 +70,7 @@ def shared_server_args(settings: ServerSettings, model_dir: Path,
     if settings.mem_fraction_static is not None:
         args += ["--mem-fraction-static", str(settings.mem_fraction_static)]
     if not settings.on_gpu:
-        args += ["--device", "cpu", "--attention-backend", "torch_native"]
+        args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
     return args
 
 

@@ -1,7 +1,12 @@
-"""Servers shared by all end-to-end tests: the project's launcher and stock SGLang, started once.
+"""Servers shared by all end-to-end tests, started once and in parallel (a minute or two on 2 cores).
 
-Both serve the embedded default model in float32 with the same KV pool, so any difference in
-their greedy outputs is the project's doing. They start in parallel (about a minute on 2 cores).
+- "project": the project's launcher with sparsity off;
+- "sparse": the project's launcher with sparse layers whose budgets cover every length (lossless);
+- "stock": stock SGLang.
+
+All serve the embedded default model in float32 with the same KV pool, so any difference in their
+greedy outputs is the project's doing. Stock runs without chunked prefill, as the sparse server
+must (`SPARSE_BASELINE_ARGS`), so that a batch is prefilled the same way on both.
 """
 
 from __future__ import annotations
@@ -9,11 +14,18 @@ from __future__ import annotations
 import pytest
 
 from sglang_kvsparse.models import ensure_default_model
+from sglang_kvsparse.options import CPU_SPARSE_MEM_FRACTION
 from sglang_kvsparse.serving_defaults import CPU_MAX_TOTAL_TOKENS, gpu_available
 
 from .servers import PYTHON, Server, server_env
 
 COMMON_ARGS = ["--dtype", "float32", "--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS)]
+
+#: What the launcher adds for a sparse server on the CPU, given to stock as well.
+SPARSE_BASELINE_ARGS = ["--chunked-prefill-size", "-1", "--mem-fraction-static", str(CPU_SPARSE_MEM_FRACTION)]
+
+#: Sparse layers 2..29 with a budget of the whole context: nothing may change in the outputs.
+LOSSLESS_SPARSITY = ["--kvsparse-full-layers", "0,1", "--kvsparse-budget", "8192"]
 
 
 @pytest.fixture(scope="session")
@@ -25,14 +37,20 @@ def model_path() -> str:
 def servers(model_path, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("server-logs")
     stock_env = server_env()
-    stock_args = ["--model-path", model_path, *COMMON_ARGS]
+    stock_args = ["--model-path", model_path, *COMMON_ARGS, *SPARSE_BASELINE_ARGS]
     if not gpu_available():
         stock_env["SGLANG_USE_CPU_ENGINE"] = "1"
-        stock_args += ["--device", "cpu", "--attention-backend", "torch_native"]
+        stock_args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
     started = {
         "project": Server(
             "project",
             [PYTHON, "-m", "sglang_kvsparse.launch_server", *COMMON_ARGS],
+            log_dir,
+            server_env(),
+        ),
+        "sparse": Server(
+            "sparse",
+            [PYTHON, "-m", "sglang_kvsparse.launch_server", *COMMON_ARGS, *LOSSLESS_SPARSITY],
             log_dir,
             server_env(),
         ),
@@ -50,6 +68,11 @@ def servers(model_path, tmp_path_factory):
 @pytest.fixture(scope="session")
 def project_server(servers) -> Server:
     return servers["project"]
+
+
+@pytest.fixture(scope="session")
+def sparse_server(servers) -> Server:
+    return servers["sparse"]
 
 
 @pytest.fixture(scope="session")

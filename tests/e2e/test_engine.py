@@ -48,8 +48,8 @@ def test_engine_matches_stock_server(stock_server):
         assert ids == stock_server.generate(prompt, MAX_NEW_TOKENS)["output_ids"], prompt
 
 
-def test_engine_rejects_enabled_sparsity_until_backend_exists():
+def test_engine_rejects_budgets_below_context_until_compression_exists():
     import sglang_kvsparse
 
-    with pytest.raises(Exception, match="no sparse attention backend"):
+    with pytest.raises(Exception, match="prefill compression is not built yet"):
         sglang_kvsparse.Engine(kvsparse_preset="snapkv")

@@ -1,4 +1,6 @@
 """The plugin entry point: registered with SGLang, a no-op unless sparsity is enabled."""
+# Enabled, it installs the wrapping attention factories and its two hooks (the lossless e2e test
+# shows they serve); patches/memory.py refuses to start a scheduler where they are missing.
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
 load_plugins()
 print("hooks", sum(len(v) for v in HookRegistry._hooks.values()))
+from sglang_kvsparse.patches import attention, plugin
+plugin.verify_loaded()
+print("attention wrapped", attention.installed())
 """
 
 
@@ -37,9 +42,11 @@ def test_plugin_registers_nothing_when_off():
     off = json.dumps({"enabled": False})
     result = _run({"SGLANG_KVSPARSE_CONFIG": off})
     assert "hooks 0" in result.stdout, result.stderr[-2000:]
+    assert "attention wrapped False" in result.stdout
 
 
-def test_plugin_refuses_enabled_sparsity_without_backend():
-    enabled = json.dumps({"enabled": True, "full_layers": [0, 1], "budget": 256})
+def test_plugin_installs_the_sparse_backend_when_enabled():
+    enabled = json.dumps({"enabled": True, "full_layers": [0, 1], "budget": 8192})
     result = _run({"SGLANG_KVSPARSE_CONFIG": enabled})
-    assert "no sparse attention backend" in result.stdout + result.stderr
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "hooks 2" in result.stdout and "attention wrapped True" in result.stdout

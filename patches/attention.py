@@ -1,0 +1,125 @@
+"""The attention backend of a sparse server (SGLang 0.5.23 attention registry).
+
+The stock backend names stay (SGLang keys scheduler helpers on them, see
+docs/sparse-backend-plan.md §0); `install` re-registers `torch_native` and `triton` with factories
+that wrap the stock backend in `KVSparseBackend` when the runner carries a `SparseState`. Full
+layers go to the stock backend unchanged; sparse layers never touch SGLang's KV pool: their K/V
+live in the `SparseState` buffers and their attention runs in `sglang_kvsparse.sparse_attention`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from sglang.srt.layers.attention import attention_registry
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from sglang_kvsparse.sparse_attention import sparse_decode, sparse_extend
+from sglang_kvsparse.sparse_state import ForwardPlan, SparseState
+
+#: Stock backends this build can wrap; others are refused at startup (patches/memory.py).
+WRAPPED_BACKENDS: tuple[str, ...] = ("torch_native", "triton")
+
+_MARK = "__kvsparse_wrapped__"
+
+
+class KVSparseBackend(AttentionBackend):
+    """Full layers: the inner stock backend. Sparse layers: the project's path."""
+
+    def __init__(self, inner: AttentionBackend, state: SparseState) -> None:
+        self.inner = inner
+        self.state = state
+        # Generic SGLang code reads the pools off whatever backend is current.
+        self.req_to_token_pool = inner.req_to_token_pool
+        self.token_to_kv_pool = inner.token_to_kv_pool
+        self.data_type = inner.data_type
+        self.kv_cache_dtype = inner.kv_cache_dtype
+        self._plan: ForwardPlan | None = None
+
+    # Attributes the base class declares (so __getattr__ would never see them) but the inner
+    # backend owns: forward them, so a translator bound to the wrapper reaches the inner one.
+    @property
+    def kv_index_translator(self) -> Any:
+        return self.inner.kv_index_translator
+
+    @kv_index_translator.setter
+    def kv_index_translator(self, value: Any) -> None:
+        self.inner.kv_index_translator = value
+
+    @property
+    def forward_metadata(self) -> Any:
+        return self.inner.forward_metadata
+
+    @forward_metadata.setter
+    def forward_metadata(self, value: Any) -> None:
+        self.inner.forward_metadata = value
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names neither this class nor the base defines (backend-specific
+        # helpers such as CUDA-graph state); those belong to the inner backend.
+        return getattr(self.__dict__["inner"], name)
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        self.inner.init_forward_metadata(forward_batch)
+        mode = forward_batch.forward_mode
+        cpu_rows = forward_batch.req_pool_indices_cpu
+        rows = (forward_batch.req_pool_indices if cpu_rows is None else cpu_rows).tolist()
+        if mode.is_idle():
+            self._plan = None
+        elif mode.is_decode():
+            self._plan = self.state.plan_decode(rows)
+        elif mode.is_extend() and not mode.is_mixed() and not mode.is_target_verify():
+            self._plan = self.state.plan_extend(
+                rows, list(forward_batch.extend_prefix_lens_cpu), list(forward_batch.extend_seq_lens_cpu)
+            )
+        else:
+            raise NotImplementedError(f"kvsparse: forward mode {mode} is not supported with sparse layers")
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        if not self.state.is_sparse(layer.layer_id):
+            return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        group = self.state.group_plan(self._plan, layer.layer_id)
+        o = sparse_extend(
+            q3, k, v, layer.scaling, self._plan, group, self.state.buffers[layer.layer_id], self.state.policy
+        )
+        return o.reshape(q3.shape[0], -1)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        if not self.state.is_sparse(layer.layer_id):
+            return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        group = self.state.group_plan(self._plan, layer.layer_id)
+        o = sparse_decode(q3, k, v, layer.scaling, group, self.state.buffers[layer.layer_id])
+        return o.reshape(q3.shape[0], -1)
+
+    def support_triton(self) -> bool:
+        return self.inner.support_triton()
+
+
+def _wrapping_factory(stock: Callable[[Any], AttentionBackend]) -> Callable[[Any], AttentionBackend]:
+    def factory(runner: Any) -> AttentionBackend:
+        inner = stock(runner)
+        state = runner.req_to_token_pool._aux_cache
+        if not isinstance(state, SparseState):
+            raise RuntimeError("kvsparse: the sparse state was not attached before the attention backend was built")
+        return KVSparseBackend(inner, state)
+
+    setattr(factory, _MARK, True)
+    return factory
+
+
+def install() -> None:
+    """Replace the stock factories of `WRAPPED_BACKENDS` with wrapping ones (idempotent)."""
+    for name in WRAPPED_BACKENDS:
+        stock = attention_registry.ATTENTION_BACKENDS[name]
+        if not getattr(stock, _MARK, False):
+            attention_registry.register_attention_backend(name)(_wrapping_factory(stock))
+
+
+def installed() -> bool:
+    """True when every wrapped name resolves to a wrapping factory in this process."""
+    return all(getattr(attention_registry.ATTENTION_BACKENDS.get(n), _MARK, False) for n in WRAPPED_BACKENDS)
+
+
+__all__ = ["KVSparseBackend", "WRAPPED_BACKENDS", "install", "installed"]

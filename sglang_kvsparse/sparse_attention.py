@@ -1,0 +1,91 @@
+"""The attention of one sparse layer for one forward, over its own buffers (no SGLang imports).
+
+The SGLang backend wrapper (`sglang_kvsparse.patches.attention`) calls these for sparse layers
+and delegates full layers to the stock backend. Attention goes through the dispatchers of
+`sglang_kvsparse.kernels`, so the same code runs the Triton kernels on CUDA and their torch
+references on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_kvsparse import kernels
+from sglang_kvsparse.policies import PrefillScoringInputs, ScoringPolicy
+from sglang_kvsparse.sparse_state import ForwardPlan, GroupPlan, LayerBuffers
+
+
+def sparse_extend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sm_scale: float,
+    plan: ForwardPlan,
+    group: GroupPlan,
+    buffers: LayerBuffers,
+    policy: ScoringPolicy,
+) -> torch.Tensor:
+    """Prefill without a cached prefix: attend over the batch's own K/V, then store what is kept.
+
+    The batch's `k`/`v` ([T, H_kv, D]) serve as the key buffer (kv_indices = arange(T)), so the
+    attention needs no scratch and does not depend on the layer's slots. When every row fits its
+    budget all tokens are stored with zero scores; otherwise `policy` scores the keys (SnapKV: the
+    observation window's attention, pooled), `select_kept` keeps sink + window + the best up to
+    the budget per KV head, and the kept K/V and scores are scattered into the row's slots.
+    Returns [T, H_q, D].
+    """
+    positions = torch.arange(k.shape[0], device=k.device, dtype=torch.int64)
+    o, lse = kernels.extend_attention_with_stats(
+        q, k, v, plan.qo_indptr, plan.qo_indptr, positions, sm_scale, with_stats=group.compress
+    )
+    if not group.compress:
+        _store(buffers, group.new_slots, k, v)
+        return o
+    inputs = PrefillScoringInputs(q, k, lse, plan.qo_indptr, plan.qo_indptr, positions, sm_scale, plan.window)
+    scores = policy.score(inputs)
+    kept, kept_lens = kernels.select_kept(scores, plan.qo_indptr, group.budget, plan.sink, plan.window)
+    src = kept_sources(kept, kept_lens, plan.qo_indptr)
+    heads = torch.arange(k.shape[1], device=k.device)[None, :]
+    dst = group.new_slots[:, None]
+    buffers.k[dst, heads] = k[src, heads].to(buffers.k.dtype)
+    buffers.v[dst, heads] = v[src, heads].to(buffers.v.dtype)
+    buffers.scores[dst, heads] = scores[src, heads]
+    return o
+
+
+def kept_sources(kept: torch.Tensor, kept_lens: torch.Tensor, qo_indptr: torch.Tensor) -> torch.Tensor:
+    """Batch token index of each kept entry, [sum(kept_lens), H_kv], request-major.
+
+    `kept` [B, H_kv, n] holds positions within each request (padded with -1 past kept_lens[b]);
+    entry j of request b, head h, comes from token qo_indptr[b] + kept[b, h, j].
+    """
+    parts = [
+        kept[b, :, : int(n)].T + int(start)
+        for b, (n, start) in enumerate(zip(kept_lens.tolist(), qo_indptr[:-1].tolist()))
+    ]
+    return torch.cat(parts) if parts else kept.new_empty(0, kept.shape[1])
+
+
+def sparse_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sm_scale: float,
+    group: GroupPlan,
+    buffers: LayerBuffers,
+) -> torch.Tensor:
+    """One decode step: store the new token in its slot, then attend over the row's kept slots.
+
+    `q` is [B, H_q, D], `k`/`v` [B, H_kv, D]. The kernel also accumulates each kept key's
+    attention mass into the layer's scores, which decode eviction (plan step 3) will read.
+    """
+    _store(buffers, group.new_slots, k, v)
+    return kernels.decode_attention_with_scores(
+        q, buffers.k, buffers.v, group.kv_indptr, group.kv_indices, buffers.scores, sm_scale
+    )
+
+
+def _store(buffers: LayerBuffers, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    buffers.k[slots] = k.to(buffers.k.dtype)
+    buffers.v[slots] = v.to(buffers.v.dtype)
+    buffers.scores[slots] = 0.0

@@ -1,0 +1,38 @@
+"""What the launcher and engine add or refuse for a sparse server (no SGLang, no model)."""
+
+import pytest
+
+from sglang_kvsparse.config import PRESETS, SparsityConfig
+from sglang_kvsparse.options import (
+    CPU_SPARSE_MEM_FRACTION,
+    GPU_SPARSE_OPTIONS,
+    sparse_sglang_defaults,
+    validate_for_model,
+)
+from sglang_kvsparse.serving_defaults import LaunchError, ModelShape
+
+SHAPE = ModelShape(num_layers=30, context_len=8192, num_kv_heads=3, head_dim=64)
+LOSSLESS = SparsityConfig(full_layers=(0, 1), budget=8192)
+
+
+def test_budgets_covering_the_context_are_served_smaller_ones_refused_until_compression():
+    validate_for_model(LOSSLESS, SHAPE)
+    validate_for_model(PRESETS["off"], SHAPE)
+    with pytest.raises(LaunchError, match="prefill compression is not built yet.*--kvsparse-budget 8192"):
+        validate_for_model(PRESETS["default"], SHAPE)
+
+
+def test_sparse_servers_get_no_chunking_and_a_memory_fraction_on_the_cpu():
+    assert sparse_sglang_defaults(PRESETS["off"], {}, cpu=True) == {}
+    assert sparse_sglang_defaults(LOSSLESS, {}, cpu=True) == {
+        "chunked_prefill_size": -1,
+        "mem_fraction_static": CPU_SPARSE_MEM_FRACTION,
+    }
+    assert sparse_sglang_defaults(LOSSLESS, {"chunked_prefill_size": -1, "mem_fraction_static": 0.5}, cpu=True) == {}
+    assert sparse_sglang_defaults(LOSSLESS, {}, cpu=False) == {"chunked_prefill_size": -1, **GPU_SPARSE_OPTIONS}
+
+
+@pytest.mark.parametrize("given", [{"chunked_prefill_size": 512}, {"enable_mixed_chunk": True}])
+def test_chunked_prefill_is_refused_with_sparsity(given):
+    with pytest.raises(LaunchError, match="not supported with layer-wise sparsity"):
+        sparse_sglang_defaults(LOSSLESS, given, cpu=True)
