@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from common.systems import ServerSettings
 
-#: The project's side with sparsity off: the same code path as stock SGLang plus the plugin.
-#: Today the launcher accepts only this (the sparse backend is not built yet); a project-off vs
-#: stock run should give ratios near 1, which is how the harness itself is checked.
+#: The project's side with sparsity off: the same code path as stock SGLang plus the plugin; a
+#: project-off vs stock run should give ratios near 1, which is how the harness itself is checked.
+#: Until decode eviction lands the launcher accepts sparse budgets only at or above the context
+#: length (the lossless sparse path): pass those with ``--project-flags``.
 PROJECT_OFF = ("--kvsparse-preset", "off")
 
 
