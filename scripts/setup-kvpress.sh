@@ -13,23 +13,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 venv="$root/.venv-kvpress"
-lock="$root/requirements/kvpress.lock"
-python=${PYTHON:-python3}
+source scripts/venv_from_lock.sh
 
-stamp_of() { cat "$lock" "$root/pyproject.toml" "$0" | sha256sum | cut -d' ' -f1; }
-stamp_file="$venv/.kvsparse-setup-stamp"
-
-if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$(stamp_of)" ]; then
-    echo "[setup-kvpress] .venv-kvpress is up to date"
-else
-    echo "[setup-kvpress] creating $venv (about a minute on a fresh machine)"
-    "$python" -m venv "$venv"
-    pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-    "${pip[@]}" install -q --upgrade "pip==24.3.1" "wheel==0.48.0" "setuptools==84.2.1"
-    "${pip[@]}" install -q --no-deps -r "$lock"
-    "${pip[@]}" install -q --no-deps --no-build-isolation -e "$root"
-    stamp_of > "$stamp_file"
-fi
+venv_from_lock "$venv" "$root/requirements/kvpress.lock" setup-kvpress
 
 if [ -x "$root/.venv/bin/python" ]; then
     echo "[setup-kvpress] model: $("$root/.venv/bin/python" -m sglang_kvsparse.models path)"

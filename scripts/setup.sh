@@ -11,25 +11,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 venv="$root/.venv"
-lock="$root/requirements/cpu.lock"
-python=${PYTHON:-python3}
+source scripts/venv_from_lock.sh
 
-stamp_of() { cat "$lock" "$root/pyproject.toml" "$0" | sha256sum | cut -d' ' -f1; }
-stamp_file="$venv/.kvsparse-setup-stamp"
-
-if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$(stamp_of)" ]; then
-    echo "[setup] .venv is up to date"
-else
-    echo "[setup] creating $venv (about 3 minutes on a fresh machine)"
-    "$python" -m venv "$venv"
-    pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-    "${pip[@]}" install -q --upgrade "pip==24.3.1" "wheel==0.48.0" "setuptools==84.2.1"
-    "${pip[@]}" install -q --no-deps -r "$lock"
-    "${pip[@]}" install -q --no-deps --no-build-isolation -e "$root"
-    site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    echo "import sglang_kvsparse.cpu_shims" > "$site/sglang_kvsparse_cpu.pth"
-    stamp_of > "$stamp_file"
-fi
+venv_from_lock "$venv" "$root/requirements/cpu.lock" setup
+# Written every time (cheap), so an environment built before the shim existed gets it too.
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "import sglang_kvsparse.cpu_shims" > "$site/sglang_kvsparse_cpu.pth"
 
 # Convert the embedded model now rather than on the first launch (about 20 s, once).
 "$venv/bin/python" -m sglang_kvsparse.models path >/dev/null

@@ -86,6 +86,24 @@ def _insert(haystack: str, depth: float, sentence: str) -> tuple[str, int]:
     return joined, (len(before) + 1 if before else 0)
 
 
+def _hidden_prompt(
+    suite: str, intro: str, haystack: str, question: str,
+    sentence: str, answer: str, depth: float, length: int,
+) -> RetrievalPrompt:
+    """`sentence` hidden at `depth` of `haystack`, between the suite's intro and its question."""
+    body, offset = _insert(haystack, depth, sentence)
+    return RetrievalPrompt(
+        suite=suite,
+        prompt_id=f"{suite}-{length}-d{round(depth * 100):02d}",
+        user_message=intro + body + question,
+        answer=answer,
+        depth=depth,
+        target_tokens=length,
+        needle_char_offset=len(intro) + offset,
+        haystack_chars=len(body),
+    )
+
+
 def passkey_prompts(
     seed: int = 0,
     lengths: Sequence[int] = DEFAULT_LENGTHS,
@@ -100,19 +118,10 @@ def passkey_prompts(
         haystack = haystack[: haystack.rfind(".") + 1]
         for depth in depths:
             key = str(rng.randint(10_000, 99_999))
-            body, offset = _insert(haystack, depth, f"The pass key is {key}. Remember it.")
-            prompts.append(
-                RetrievalPrompt(
-                    suite="passkey",
-                    prompt_id=f"passkey-{length}-d{round(depth * 100):02d}",
-                    user_message=_PASSKEY_INTRO + body + _PASSKEY_QUESTION,
-                    answer=key,
-                    depth=depth,
-                    target_tokens=length,
-                    needle_char_offset=len(_PASSKEY_INTRO) + offset,
-                    haystack_chars=len(body),
-                )
-            )
+            prompts.append(_hidden_prompt(
+                "passkey", _PASSKEY_INTRO, haystack, _PASSKEY_QUESTION,
+                f"The pass key is {key}. Remember it.", key, depth, length,
+            ))
     return prompts
 
 
@@ -142,19 +151,10 @@ def needle_prompts(
             haystack = haystack[: max(haystack.rfind("."), 0) + 1]
             word = NEEDLE_WORDS[index % len(NEEDLE_WORDS)]
             index += 1
-            body, offset = _insert(haystack, depth, _NEEDLE_SENTENCE.format(word=word))
-            prompts.append(
-                RetrievalPrompt(
-                    suite="needle",
-                    prompt_id=f"needle-{length}-d{round(depth * 100):02d}",
-                    user_message=_NEEDLE_INTRO + body + _NEEDLE_QUESTION,
-                    answer=word,
-                    depth=depth,
-                    target_tokens=length,
-                    needle_char_offset=len(_NEEDLE_INTRO) + offset,
-                    haystack_chars=len(body),
-                )
-            )
+            prompts.append(_hidden_prompt(
+                "needle", _NEEDLE_INTRO, haystack, _NEEDLE_QUESTION,
+                _NEEDLE_SENTENCE.format(word=word), word, depth, length,
+            ))
     return prompts
 
 
