@@ -8,7 +8,7 @@ server's ``#running-req`` log lines), the dense pool's own limit for comparison,
 per request and per layer: from the server's ``GET /kvsparse/stats`` when it answers, else dense.
 Writes ``<out-dir>/capacity-<profile>-<date>.json`` and ``.md``; logs in ``...-logs/``.
 
-Usage: .venv/bin/python bench/capacity.py --profile cpu|smoke [--out-dir DIR]
+Usage: .venv/bin/python bench/capacity.py --profile NAME [--out-dir DIR]   (names: PROFILES)
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from common.systems import (
     server_for,
     shared_server_args,
 )
-from serving_profiles import PROJECT_OFF, Variant
+from serving_profiles import PROJECT_BUDGET_256, PROJECT_DEFAULT, PROJECT_OFF, Variant
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -82,14 +82,25 @@ PROFILES: dict[str, CapacityProfile] = {
             client_timeout_s=600.0,
         ),
         CapacityProfile(
+            name="sparse-4k",
+            description="Sparse capacity check (run by the test suite): 8 requests of 4,000 + "
+            "32 tokens into the KV bytes of an 8,192-token dense pool (2 dense requests).",
+            server=_cpu_server(8192),
+            input_len=4000,
+            output_len=32,
+            num_requests=8,
+            variants=(Variant("budget-256", PROJECT_BUDGET_256),),
+            client_timeout_s=1200.0,
+        ),
+        CapacityProfile(
             name="cpu",
-            description="Default model on the CPU: 16 requests of 2,000 + 128 tokens into a "
-            "16,384-token pool (7 dense requests).",
+            description="Default model on the CPU: 24 requests of 2,000 + 128 tokens into the KV "
+            "bytes of a 16,384-token dense pool (7 dense requests).",
             server=_cpu_server(16384),
             input_len=2000,
             output_len=128,
-            num_requests=16,
-            variants=(Variant("project", PROJECT_OFF),),
+            num_requests=24,
+            variants=(Variant("default", PROJECT_DEFAULT), Variant("budget-256", PROJECT_BUDGET_256)),
             client_timeout_s=3600.0,
         ),
     )
@@ -118,11 +129,14 @@ def measure_system(name: str, flags: tuple[str, ...], shared: list[str],
                                     log_path=log_dir / f"client-{name}.log",
                                     timeout_s=profile.client_timeout_s)
             kv_bytes, source = poller.bytes_per_request(dense_bytes)
+            layer_token_bytes = bytes_per_token / num_layers
+            per_layer = {kind: slots * layer_token_bytes
+                         for kind, slots in poller.layer_slots_per_request.items()}
             row.update(
                 completed=result["completed"],
                 peak_running=peak_running_requests(server.log_since(bookmark)),
                 kv_bytes_per_request=kv_bytes,
-                kv_bytes_per_request_per_layer=kv_bytes / num_layers,
+                kv_bytes_per_request_per_layer=per_layer or {"every": kv_bytes / num_layers},
                 kv_bytes_source=source,
             )
     except (ServerStartError, ClientError) as exc:
@@ -144,7 +158,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['dense_limit']} at their final length",
         "",
         "| system | flags | peak running req | ratio to stock | KV bytes/req | "
-        "KV bytes/req/layer (mean) | KV source |",
+        "KV bytes/req per layer (by kind) | KV source |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
     stock_peak = next((s.get("peak_running") for s in report["systems"] if s["name"] == STOCK),
@@ -156,17 +170,19 @@ def markdown(report: dict[str, Any]) -> str:
             continue
         peak = system["peak_running"]
         ratio = f"{peak / stock_peak:.2f}" if peak is not None and stock_peak else "—"
+        per_layer = ", ".join(f"{kind} {value:,.0f}"
+                              for kind, value in system["kv_bytes_per_request_per_layer"].items())
         lines.append(
             f"| {system['name']} | {' '.join(system['flags']) or '(stock)'} | "
             f"{peak if peak is not None else '—'} | {ratio} | "
-            f"{system['kv_bytes_per_request']:,.0f} | "
-            f"{system['kv_bytes_per_request_per_layer']:,.0f} | {system['kv_bytes_source']} |")
+            f"{system['kv_bytes_per_request']:,.0f} | {per_layer} | {system['kv_bytes_source']} |")
     lines += [
         "",
         "Peak running requests: the most requests holding KV at once in the server's scheduler "
         "log. SGLang may admit fewer than the dense limit: it reserves room for the running "
-        "requests' future tokens. KV bytes per layer is the mean over layers (full and sparse "
-        "layers differ); per-layer detail needs the project's stats endpoint to expose it.",
+        "requests' future tokens. KV bytes per request are measured at the moment they peaked "
+        "(K+V, and the sparse slots' scores); per layer, the mean over the layers of each kind. "
+        "Sparse servers get the same KV bytes as stock (--max-total-tokens counts dense tokens).",
     ]
     return "\n".join(lines) + "\n"
 

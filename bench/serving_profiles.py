@@ -15,9 +15,11 @@ from common.systems import ServerSettings
 
 #: The project's side with sparsity off: the same code path as stock SGLang plus the plugin; a
 #: project-off vs stock run should give ratios near 1, which is how the harness itself is checked.
-#: Until decode eviction lands the launcher accepts sparse budgets only at or above the context
-#: length (the lossless sparse path): pass those with ``--project-flags``.
 PROJECT_OFF = ("--kvsparse-preset", "off")
+#: The launcher's default preset for the embedded model (layers 0-1 full, 1,024 elsewhere).
+PROJECT_DEFAULT = ("--kvsparse-preset", "default")
+#: A tight budget: layers 0-1 full, 256 entries elsewhere (the eviction test's setting).
+PROJECT_BUDGET_256 = ("--kvsparse-full-layers", "0,1", "--kvsparse-budget", "256")
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ PROFILES: dict[str, Profile] = {
             input_len=2000,
             output_len=128,
             concurrencies=(1, 4, 8),
-            variants=(Variant("project", PROJECT_OFF),),
+            variants=(Variant("project", PROJECT_DEFAULT),),
             max_total_tokens=24576,
         ),
         Profile(
@@ -134,7 +136,7 @@ PROFILES: dict[str, Profile] = {
             input_len=4000,
             output_len=256,
             concurrencies=(1, 4, 8, 16),
-            variants=(Variant("project", PROJECT_OFF),),
+            variants=(Variant("default", PROJECT_DEFAULT), Variant("budget-256", PROJECT_BUDGET_256)),
             max_total_tokens=12288,
             client_timeout_s=7200.0,
         ),

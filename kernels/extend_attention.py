@@ -282,7 +282,8 @@ def extend_attention_with_stats_torch(
     lse_out: Optional[torch.Tensor] = None,
     config: Optional[ExtendConfig] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Plain-torch reference, one request at a time, computed in at least float32.
+    """Plain-torch reference, one request at a time, computed in at least float32; on the CPU
+    through PyTorch's flash attention (`_cpu_flash_attention`), elsewhere from the score matrix.
 
     ``max_q_len`` and ``config`` only steer the Triton launch and are accepted for signature parity.
     """
@@ -299,18 +300,46 @@ def extend_attention_with_stats_torch(
         slots = kv_indices[kv[b] : kv[b + 1]].long()
         k = k_buf[slots].to(acc_dtype)  # [L, H_kv, D]
         v = v_buf[slots].to(acc_dtype)
-        qb = q[qo[b] : qo[b + 1]].to(acc_dtype).unflatten(1, (k.shape[1], group))  # [T, H_kv, G, D]
-        logits = torch.einsum("thgd,nhd->hgtn", qb, k) * sm_scale
+        qb = q[qo[b] : qo[b + 1]].to(acc_dtype)  # [T, H_q, D]
         pos = kv_len - q_len + torch.arange(q_len, device=q.device)
-        visible = torch.arange(kv_len, device=q.device)[None, :] <= pos[:, None]
-        logits = logits.masked_fill(~visible, float("-inf"))
-        row_lse = torch.logsumexp(logits, dim=-1)  # [H_kv, G, T]
-        probs = torch.exp(logits - row_lse[..., None])
-        ob = torch.einsum("hgtn,nhd->thgd", probs, v)
-        o[qo[b] : qo[b + 1]] = ob.flatten(1, 2).to(o.dtype)
+        visible = torch.arange(kv_len, device=q.device)[None, :] <= pos[:, None]  # [T, L]
+        attend = _cpu_flash_attention if q.device.type == "cpu" else _explicit_attention
+        ob, row_lse = attend(qb, k, v, visible, sm_scale, group)
+        o[qo[b] : qo[b + 1]] = ob.to(o.dtype)
         if lse is not None:
-            lse[qo[b] : qo[b + 1]] = row_lse.permute(2, 0, 1).flatten(1, 2).to(lse.dtype)
+            lse[qo[b] : qo[b + 1]] = row_lse.to(lse.dtype)
     return o, lse
+
+
+def _explicit_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, sm_scale: float, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention from the full score matrix: q [T, H_q, D], k/v [L, H_kv, D], visible
+    [T, L]; returns o [T, H_q, D] and lse [T, H_q]."""
+    qg = q.unflatten(1, (k.shape[1], group))  # [T, H_kv, G, D]
+    logits = torch.einsum("thgd,nhd->hgtn", qg, k) * sm_scale
+    logits = logits.masked_fill(~visible, float("-inf"))
+    row_lse = torch.logsumexp(logits, dim=-1)  # [H_kv, G, T]
+    probs = torch.exp(logits - row_lse[..., None])
+    o = torch.einsum("hgtn,nhd->thgd", probs, v).flatten(1, 2)
+    return o, row_lse.permute(2, 0, 1).flatten(1, 2)
+
+
+def _cpu_flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, sm_scale: float, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_explicit_attention` through PyTorch's tiled CPU flash attention, which also returns the
+    LSE: the same numbers (tests hold both to float64 attention) without the [H, T, L] score
+    matrix, so a sparse server's prefill on the CPU costs about what stock SDPA costs."""
+    qh = q.transpose(0, 1)[None]  # [1, H_q, T, D]
+    kh = k.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+    vh = v.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+    square = visible.shape[0] == visible.shape[1]
+    mask = None if square else torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qh, kh, vh, 0.0, square, attn_mask=mask, scale=sm_scale
+    )
+    return o[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
 def extend_attention_with_stats(

@@ -90,7 +90,7 @@ class KVSparseBackend(AttentionBackend):
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         group = self.state.group_plan(self._plan, layer.layer_id)
-        o = sparse_decode(q3, k, v, layer.scaling, group, self.state.buffers[layer.layer_id])
+        o = sparse_decode(q3, k, v, layer.scaling, self._plan, group, self.state.buffers[layer.layer_id])
         return o.reshape(q3.shape[0], -1)
 
     def support_triton(self) -> bool:

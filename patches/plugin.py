@@ -36,24 +36,40 @@ def load() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from . import attention, memory, observability
+    from . import admission, attention, memory, observability
 
     attention.install()
-    HookRegistry.register(memory.TARGET, memory.make_attach_state(config), HookType.AFTER)
-    HookRegistry.register(observability.TARGET, observability.add_stats, HookType.AFTER)
+    hooks = [
+        (memory.SIZE_TARGET, memory.make_size_pools(config, _checked_targets()), HookType.AROUND),
+        (memory.POOL_CLASS_TARGET, memory.make_pool_class(config), HookType.AROUND),
+        (memory.TARGET, memory.make_attach_state(config), HookType.AFTER),
+        (admission.TARGET, admission.admit, HookType.AROUND),
+        (observability.TARGET, observability.add_stats, HookType.AFTER),
+        (observability.METRICS_TARGET, observability.set_gauges, HookType.AFTER),
+    ]
+    for target, hook, kind in hooks:
+        HookRegistry.register(target, hook, kind)
+
+
+def _checked_targets() -> tuple[str, ...]:
+    """Hooked targets whose absence `memory.size_pools` reports (it runs inside the first one)."""
+    from . import admission, memory, observability
+
+    return (memory.POOL_CLASS_TARGET, memory.TARGET, admission.TARGET, observability.TARGET)
+
+
+def unpatched(targets: tuple[str, ...]) -> list[str]:
+    """The targets that SGLang's hook registry has not wrapped in this process."""
+    return [target for target in targets if not hasattr(_resolve(target), "__wrapped__")]
 
 
 def verify_loaded() -> None:
     """Raise when sparsity is enabled but this process's patches are not in place."""
     if configured() is None:
         return
-    from . import attention, memory, observability
+    from . import attention, memory
 
-    missing = [
-        target
-        for target in (memory.TARGET, observability.TARGET)
-        if not hasattr(_resolve(target), "__wrapped__")
-    ]
+    missing = unpatched((memory.SIZE_TARGET, *_checked_targets()))
     if not attention.installed():
         missing.append("attention registry (torch_native/triton)")
     if missing:

@@ -58,10 +58,13 @@ def kv_bytes_in_use(
     sparse_slots_in_use: Mapping[int, int],
     resolved: ResolvedSparsity,
     bytes_per_token: int,
+    sparse_slot_bytes: int | None = None,
 ) -> int:
-    """Bytes in use now: full-pool tokens (one slot serves every full layer) and sparse slots."""
-    layer_tokens = full_tokens_in_use * len(resolved.full_layers) + sum(sparse_slots_in_use.values())
-    return layer_tokens * bytes_per_token
+    """Bytes in use now: full-pool tokens (one slot serves every full layer) and sparse slots
+    (each costing sparse_slot_bytes, default bytes_per_token)."""
+    slot_bytes = bytes_per_token if sparse_slot_bytes is None else sparse_slot_bytes
+    full = full_tokens_in_use * len(resolved.full_layers) * bytes_per_token
+    return full + sum(sparse_slots_in_use.values()) * slot_bytes
 
 
 @dataclass(frozen=True)
@@ -69,13 +72,14 @@ class PoolSplit:
     """How split_pool divided a KV byte budget.
 
     full_tokens: tokens of the full-layer pool (each full layer stores that many);
-    sparse_slots: usable slots per sparse layer; dense_tokens: what stock SGLang's pool would
+    sparse_slots: usable slots per sparse layer, each costing sparse_slot_bytes; dense_tokens: what stock SGLang's pool would
     hold with the same bytes; requests_at_target / dense_requests_at_target: how many requests
     of target_len tokens fit here and in stock SGLang.
     """
 
     total_kv_bytes: int
     bytes_per_token: int
+    sparse_slot_bytes: int
     target_len: int
     num_full_layers: int
     full_tokens: int
@@ -87,7 +91,8 @@ class PoolSplit:
     @property
     def used_bytes(self) -> int:
         """Bytes the split's pools occupy (<= total_kv_bytes; the rest is page rounding)."""
-        return (self.full_tokens * self.num_full_layers + sum(self.sparse_slots.values())) * self.bytes_per_token
+        full = self.full_tokens * self.num_full_layers * self.bytes_per_token
+        return full + sum(self.sparse_slots.values()) * self.sparse_slot_bytes
 
     def describe(self) -> str:
         """One line for the startup log."""
@@ -108,40 +113,46 @@ def split_pool(
     *,
     page_size: int = 1,
     target_len: int | None = None,
+    sparse_slot_bytes: int | None = None,
 ) -> PoolSplit:
     """Divide the KV bytes stock SGLang would use between the full pool and the sparse pools.
 
     total_kv_bytes: usable KV bytes of stock SGLang, e.g. max_total_tokens * num_layers *
-    bytes_per_token. Rule: each pool gets bytes in proportion to what one request of
-    `target_len` tokens holds in it (held_tokens), so with every request at target_len all pools
-    fill together and the number of concurrent requests is maximal. Shorter requests leave full
-    pool room unused (the sparse pools bind); longer ones leave sparse room unused. Erring long
-    costs less than erring short, hence the default: config.pool_target_len, else the context
-    length. Pool sizes are rounded down to whole pages.
+    bytes_per_token. sparse_slot_bytes: what one sparse slot costs (K+V plus its fp32 score per
+    KV head; default bytes_per_token), so the comparison with stock is at equal bytes. Rule: each
+    pool gets bytes in proportion to what one request of `target_len` tokens holds in it
+    (held_tokens), so with every request at target_len all pools fill together and the number of
+    concurrent requests is maximal. Shorter requests leave full pool room unused (the sparse
+    pools bind); longer ones leave sparse room unused. Erring long costs less than erring short,
+    hence the default: config.pool_target_len, else the context length. Pool sizes are rounded
+    down to whole pages.
     """
     if bytes_per_token < 1 or total_kv_bytes < 0:
         raise ValueError(f"need bytes_per_token >= 1 and total_kv_bytes >= 0, got {bytes_per_token}, {total_kv_bytes}")
     if target_len is not None and target_len < 1:
         raise ValueError(f"target_len must be >= 1, got {target_len}")
+    slot_bytes = bytes_per_token if sparse_slot_bytes is None else sparse_slot_bytes
+    if slot_bytes < bytes_per_token:
+        raise ValueError(f"sparse_slot_bytes ({slot_bytes}) is below bytes_per_token ({bytes_per_token})")
     target = target_len or resolved.config.pool_target_len or resolved.context_len
     target = min(target, resolved.context_len)
-    layer_tokens = total_kv_bytes // bytes_per_token
     full_need = round_up(target, page_size)
     sparse_need = {layer: held_tokens(resolved, layer, target, page_size) for layer in resolved.sparse_layers}
     num_full = len(resolved.full_layers)
-    per_request = full_need * num_full + sum(sparse_need.values())
+    request_bytes = full_need * num_full * bytes_per_token + sum(sparse_need.values()) * slot_bytes
 
-    def share(need: int) -> int:
-        return layer_tokens * need // per_request // page_size * page_size
+    def share(need: int) -> int:  # a pool's bytes are need * its unit bytes / request_bytes of the total
+        return total_kv_bytes * need // request_bytes // page_size * page_size
 
     full_tokens = share(full_need) if num_full else 0
     sparse_slots = {layer: share(need) for layer, need in sparse_need.items()}
     fits = [full_tokens // full_need] if num_full else []
     fits += [sparse_slots[layer] // need for layer, need in sparse_need.items()]
-    dense_tokens = layer_tokens // resolved.num_layers // page_size * page_size
+    dense_tokens = total_kv_bytes // bytes_per_token // resolved.num_layers // page_size * page_size
     return PoolSplit(
         total_kv_bytes=total_kv_bytes,
         bytes_per_token=bytes_per_token,
+        sparse_slot_bytes=slot_bytes,
         target_len=target,
         num_full_layers=num_full,
         full_tokens=full_tokens,

@@ -23,7 +23,6 @@ CPU_SPARSE_MEM_FRACTION = 0.8
 
 #: SGLang options a sparse server needs on a GPU (docs/sparse-backend-plan.md §7).
 GPU_SPARSE_OPTIONS: dict[str, object] = {
-    "disable_overlap_schedule": True,
     "cuda_graph_backend_decode": "disabled",
     "cuda_graph_backend_prefill": "disabled",
 }
@@ -31,9 +30,9 @@ GPU_SPARSE_OPTIONS: dict[str, object] = {
 #: SGLang's switch that makes every radix-cache lookup a miss (set with sparsity on).
 RADIX_FORCE_MISS_ENV = "SGLANG_RADIX_FORCE_MISS"
 
-#: Preset used when no sparsity option is given. It stays "off" until the sparse attention
-#: backend is part of the build; the launcher prints it at start-up.
-LAUNCHER_DEFAULT_PRESET = "off"
+#: Preset used when no sparsity option is given (the launcher prints it at start-up): layers 0 and
+#: 1 full, 1,024 entries in the others (config.PRESETS; docs/config.md says why).
+LAUNCHER_DEFAULT_PRESET = "default"
 
 
 def add_sparsity_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,21 +71,13 @@ def sparsity_from_args(args: argparse.Namespace) -> SparsityConfig:
 
 
 def validate_for_model(config: SparsityConfig, shape: ModelShape | None) -> None:
-    """Check the configuration against the model (layer indices, budgets) and that it can run."""
+    """Check the configuration against the model: layer indices inside it, budgets that fit."""
+    if shape is None:
+        return
     try:
-        if shape is not None:
-            config.resolve(shape.num_layers, shape.context_len)
+        config.resolve(shape.num_layers, shape.context_len)
     except SparsityConfigError as exc:
         raise LaunchError(str(exc)) from None
-    if config.enabled and shape is not None:
-        resolved = config.resolve(shape.num_layers, shape.context_len)
-        short = [layer for layer in resolved.sparse_layers if not resolved.keeps_all(layer)]
-        if short:
-            raise LaunchError(
-                f"sparse layers {short} have budgets below the model's context length "
-                f"({shape.context_len}): prefill compression is not built yet, so every sparse "
-                f"budget must be >= {shape.context_len} (e.g. --kvsparse-budget {shape.context_len})"
-            )
 
 
 def export_to_processes(config: SparsityConfig) -> None:
@@ -111,7 +102,9 @@ def sparse_sglang_defaults(config: SparsityConfig, given: dict[str, object], *, 
     when it derives --mem-fraction-static, so on the CPU, where --max-total-tokens bounds the KV
     pool anyway, a fixed fraction is given instead. On a GPU, overlap scheduling (the next step's
     slot allocation would race the running forward) and CUDA graphs (sparse metadata is rebuilt in
-    Python every step) are turned off (`GPU_SPARSE_OPTIONS`).
+    Python every step) are turned off (`GPU_SPARSE_OPTIONS`). Overlap scheduling (the next step's
+    slot allocation, which may evict, would run beside the current forward) is turned off on both:
+    SGLang 0.5.23 keeps it on for the CPU too.
     """
     if not config.enabled:
         return {}
@@ -123,6 +116,7 @@ def sparse_sglang_defaults(config: SparsityConfig, given: dict[str, object], *, 
     if given.get("enable_mixed_chunk"):
         raise LaunchError("--enable-mixed-chunk is not supported with layer-wise sparsity yet")
     chosen: dict[str, object] = {} if chunk is not None else {"chunked_prefill_size": -1}
+    chosen["disable_overlap_schedule"] = True
     if cpu and given.get("mem_fraction_static") is None:
         chosen["mem_fraction_static"] = CPU_SPARSE_MEM_FRACTION
     if not cpu:

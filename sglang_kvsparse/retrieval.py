@@ -26,7 +26,7 @@ from typing import Any, Sequence
 #: Approximate prompt lengths in tokens (the haystack; the question and chat template add ~60).
 DEFAULT_LENGTHS: tuple[int, ...] = (2_100, 3_300, 4_500, 5_700)
 #: Where the needle goes, as the fraction of haystack characters before it.
-DEFAULT_DEPTHS: tuple[float, ...] = (0.1, 0.5, 0.9)
+DEFAULT_DEPTHS: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 #: Characters per token of SmolLM2's tokenizer, measured on each suite's filler (3.75 and 4.19).
 PASSKEY_CHARS_PER_TOKEN = 3.75
@@ -50,6 +50,7 @@ _NEEDLE_QUESTION = (
 NEEDLE_WORDS: tuple[str, ...] = (
     "saffron", "turquoise", "walnut", "cinnamon", "lavender", "kangaroo",
     "avocado", "origami", "pelican", "paprika", "flamingo", "harmonica",
+    "marmalade", "trombone", "okapi", "pistachio", "nutmeg", "iguana", "accordion", "zucchini",
 )  # fmt: skip
 
 

@@ -71,17 +71,38 @@ def sparse_decode(
     k: torch.Tensor,
     v: torch.Tensor,
     sm_scale: float,
+    plan: ForwardPlan,
     group: GroupPlan,
     buffers: LayerBuffers,
 ) -> torch.Tensor:
-    """One decode step: store the new token in its slot, then attend over the row's kept slots.
+    """One decode step: evict where planned, store the new token, attend over the kept slots.
 
     `q` is [B, H_q, D], `k`/`v` [B, H_kv, D]. The kernel also accumulates each kept key's
-    attention mass into the layer's scores, which decode eviction (plan step 3) will read.
+    attention mass into the layer's scores (H2O-style), which the next eviction reads. Eviction
+    runs before the new token is written, so a slot freed by this step's eviction and handed out
+    again by the same step's allocation is read (as an old entry) before it is overwritten.
     """
+    if group.evict_slots is not None:
+        evict(buffers, group.evict_slots, group.budget, plan.sink, plan.window)
     _store(buffers, group.new_slots, k, v)
     return kernels.decode_attention_with_scores(
         q, buffers.k, buffers.v, group.kv_indptr, group.kv_indices, buffers.scores, sm_scale
+    )
+
+
+def evict(buffers: LayerBuffers, old_slots: torch.Tensor, budget: int, sink: int, window: int) -> None:
+    """Keep, per row and KV head, the first `sink`, the last `window` and the best-scored rest
+    of the row's old entries (`old_slots` [N, n_old], position order), up to `budget`, moved in
+    position order into the row's first `budget` slots (K, V and scores, in place)."""
+    rows, n_old = old_slots.shape
+    old = old_slots.long()
+    indptr = torch.arange(rows + 1, device=old.device, dtype=torch.int64) * n_old
+    scores = buffers.scores[old.reshape(-1)]
+    kept, _ = kernels.select_kept(scores, indptr, budget, sink, window)  # [N, H_kv, budget]
+    heads = kept.shape[1]
+    src = torch.gather(old[:, None, :].expand(rows, heads, n_old), 2, kept)
+    kernels.compact_kv(
+        buffers.k, buffers.v, buffers.scores, src.transpose(1, 2).reshape(-1, heads), old[:, :budget].reshape(-1)
     )
 
 

@@ -11,23 +11,31 @@ request lifecycle without any hook of our own. It owns
   * each sparse layer's own K/V buffers `[buffer_slots, H_kv, D]` and scores `[buffer_slots, H_kv]`
     (fp32), indexed by the group's slots (layouts of docs/kernels.md).
 
-A prefill keeps min(length, budget) entries per row (steps 1-2 of docs/sparse-backend-plan.md:
-`sparse_attention.sparse_extend` fills them, compressing when the prompt is longer than the
-budget). Decode eviction (step 3) is not built: a row that reaches `max_entries` during decode
-raises, which is why the launcher still refuses budgets below the context length. Prefix reuse is
-refused with an error.
+A prefill keeps min(length, budget) entries per row (`sparse_attention.sparse_extend` fills
+them, compressing when the prompt is longer than the budget). During decode a row grows one entry
+per step; when it holds `max_entries` (budget + evict_page) the step first evicts: the row is cut
+back to `budget` entries here, at allocation time, and the forward (`sparse_attention.sparse_decode`)
+moves the `budget` best-scored of the old entries into the kept positions before it writes the new
+token. So a row never holds more than budget + one eviction page, however long the output.
+Prefix reuse is refused with an error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from sglang_kvsparse.accounting import dense_kv_bytes, kv_bytes_in_use, kv_bytes_per_token
 from sglang_kvsparse.config import ResolvedSparsity
-from sglang_kvsparse.index_map import IndexMapError, LayerIndexMap, SlotPool, round_up
+from sglang_kvsparse.index_map import IndexMapError, LayerIndexMap, SlotPool, SlotPoolExhausted, round_up
 from sglang_kvsparse.policies import build_policy
+
+
+def score_bytes_per_slot(num_kv_heads: int) -> int:
+    """Bytes of one sparse slot's scores: one float32 per KV head."""
+    return 4 * num_kv_heads
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,8 @@ class GroupPlan:
     `kv_indptr`/`kv_indices`: the rows' slots in position order. `new_slots`: where this forward's
     kept tokens go (decode: one per row; prefill: the rows' slots, request-major). `budget` and
     `compress` (a prefill row longer than the budget) tell the prefill whether to select.
+    `evict_slots` (decode): [N, max_entries] old slots, in position order, of the N rows that
+    evict this step; the forward keeps `budget` of them in the first `budget` slots.
     """
 
     kv_indptr: torch.Tensor
@@ -44,6 +54,7 @@ class GroupPlan:
     new_slots: torch.Tensor
     budget: int = 0
     compress: bool = False
+    evict_slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -76,7 +87,7 @@ class SparseState:
         self,
         resolved: ResolvedSparsity,
         *,
-        slots_per_layer: int,
+        slots_per_layer: Mapping[int, int],
         max_requests: int,
         num_kv_heads: int,
         head_dim: int,
@@ -90,7 +101,8 @@ class SparseState:
         self.dense_capacity = dense_capacity
         self.page_size = page_size
         self.device = torch.device(device)
-        slots = round_up(slots_per_layer, page_size)
+        self.bytes_per_token = kv_bytes_per_token(num_kv_heads, head_dim, dtype.itemsize)
+        self.slot_bytes = self.bytes_per_token + score_bytes_per_slot(num_kv_heads)
         by_budget: dict[int, list[int]] = {}
         for layer in resolved.sparse_layers:
             by_budget.setdefault(resolved.budget(layer), []).append(layer)
@@ -101,84 +113,107 @@ class SparseState:
             self.group_of.update({layer: len(self.maps) for layer in layers})
             self.budgets.append(budget)
             max_entries = resolved.max_entries(layers[0])
+            slots = min(slots_per_layer[layer] for layer in layers) // page_size * page_size
             self.maps.append(LayerIndexMap(SlotPool(slots, page_size), max_requests, max_entries, self.device))
-        rows = slots + page_size  # the padding page, see index_map
-        self.buffers: dict[int, LayerBuffers] = {
-            layer: LayerBuffers(
+        self.buffers: dict[int, LayerBuffers] = {}
+        for layer in resolved.sparse_layers:
+            rows = self.maps[self.group_of[layer]].pool.buffer_slots  # includes the padding page
+            self.buffers[layer] = LayerBuffers(
                 k=torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=self.device),
                 v=torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=self.device),
                 scores=torch.zeros(rows, num_kv_heads, dtype=torch.float32, device=self.device),
             )
-            for layer in resolved.sparse_layers
-        }
         self.initial_free_slots = [m.pool.available_slots() for m in self.maps]
         self.requests_running_peak = 0
         self.logical = [0] * max_requests  # each row's sequence length (its entries may be fewer)
+        # Per group: row -> its slots before the eviction alloc_to_lengths made, until the next
+        # decode forward moves the survivors (plan_decode hands them over).
+        self._evictions: list[dict[int, torch.Tensor]] = [{} for _ in self.maps]
         self.forward_plans = 0  # forwards planned by the backend wrapper: proof the path runs
+        self.evictions = 0  # (row, group) evictions handed to decode forwards
 
     # -- aux-cache interface (called by SGLang's ReqToTokenPool) -----------------------------
     def alloc_to_lengths(self, *, req_pool_indices_cpu: torch.Tensor, target_seq_lens_cpu: torch.Tensor) -> None:
         """Grow each row to its target length: a new row gets min(length, budget) entries (its
-        prefill keeps that many), a running row one more.
+        prefill keeps that many), a running row one more, after evicting down to the budget when
+        it holds `max_entries` (the forward then moves the survivors' data, see `plan_decode`).
 
-        All-or-nothing across rows and groups, so a failure leaves no half-allocated row behind
-        (SGLang frees the full-pool tokens and re-raises).
+        All-or-nothing: every row and group is checked, free pages included, before anything
+        changes, so a refusal leaves no half-allocated row behind (SGLang frees the full-pool
+        tokens and re-raises).
         """
         rows = [int(r) for r in req_pool_indices_cpu.tolist()]
         targets = [int(n) for n in target_seq_lens_cpu.tolist()]
-        done: list[tuple[LayerIndexMap, list[int], list[int]]] = []
-        try:
-            for index_map, budget in zip(self.maps, self.budgets):
-                new = [(row, min(n, budget)) for row, n in zip(rows, targets) if not index_map.is_active(row)]
-                growing = [row for row, n in zip(rows, targets) if index_map.is_active(row)]
-                for row, n in zip(rows, targets):
-                    if index_map.is_active(row) and n != self.logical[row] + 1:
-                        raise IndexMapError(
-                            f"row {row} grows from {self.logical[row]} to {n} tokens: only one "
-                            "decode token per step is supported (no chunked prefill or speculation)"
-                        )
-                    if index_map.is_active(row) and index_map.length(row) >= index_map.max_entries:
-                        raise IndexMapError(
-                            f"row {row} holds {index_map.max_entries} entries in a sparse layer; "
-                            "decode eviction is not built yet"
-                        )
-                assigned: list[int] = []
-                try:
-                    for row, n in new:
-                        index_map.assign(row, n)
-                        assigned.append(row)
-                    index_map.append_rows(growing)
-                except Exception:
-                    for row in assigned:
-                        index_map.release(row)
-                    raise
-                done.append((index_map, assigned, growing))
-        except Exception:
-            for index_map, assigned, growing in done:
-                for row in assigned:
-                    index_map.release(row)
-                for row in growing:
-                    index_map.shrink(row, index_map.length(row) - 1)
-            raise
+        for group in range(len(self.maps)):
+            self._check_growth(group, rows, targets)
+        for group, (index_map, budget) in enumerate(zip(self.maps, self.budgets)):
+            growing = []
+            for row, n in zip(rows, targets):
+                if not index_map.is_active(row):
+                    index_map.assign(row, min(n, budget))
+                    continue
+                if index_map.length(row) == index_map.max_entries:
+                    self._evictions[group][row] = index_map.slots(row)
+                    index_map.shrink(row, budget)
+                growing.append(row)
+            index_map.append_rows(growing)
         for row, n in zip(rows, targets):
             self.logical[row] = n
         self.requests_running_peak = max(self.requests_running_peak, self.requests_running())
 
+    def _check_growth(self, group: int, rows: list[int], targets: list[int]) -> None:
+        """Raise, changing nothing, unless `alloc_to_lengths` can serve every row in `group`."""
+        index_map, budget, page = self.maps[group], self.budgets[group], self.page_size
+        pages = 0
+        for row, n in zip(rows, targets):
+            if not index_map.is_active(row):
+                pages += round_up(min(n, budget), page) // page
+                continue
+            if n != self.logical[row] + 1:
+                raise IndexMapError(
+                    f"row {row} grows from {self.logical[row]} to {n} tokens: only one "
+                    "decode token per step is supported (no chunked prefill or speculation)"
+                )
+            if row in self._evictions[group]:
+                raise IndexMapError(f"row {row} grows again before its eviction ran in a forward")
+            held = index_map.length(row)
+            kept = budget if held == index_map.max_entries else held
+            pages += round_up(kept + 1, page) // page - round_up(held, page) // page
+        if pages > index_map.pool.available_pages():
+            raise SlotPoolExhausted(
+                f"sparse pool needs {pages} pages, {index_map.pool.available_pages()} free: "
+                "admission let in more than fits"
+            )
+
     def free(self, row: int) -> None:
         """Release the row's slots in every group; a row that never got any is a no-op."""
         self.logical[row] = 0
-        for index_map in self.maps:
+        for index_map, evictions in zip(self.maps, self._evictions):
+            evictions.pop(row, None)
             if index_map.is_active(row):
                 index_map.release(row)
 
     def clear(self) -> None:
-        self.logical = [0] * len(self.logical)
-        for index_map in self.maps:
-            for row in index_map.active_rows():
-                index_map.release(row)
+        for row in range(len(self.logical)):
+            self.free(row)
 
     def reset_allocator(self) -> None:
         self.clear()
+
+    # -- admission (see sglang_kvsparse.admission) --------------------------------------------
+    def pages_to_hold(self, final_len: int) -> list[int]:
+        """Per group, the most pages a request that reaches `final_len` tokens ever holds."""
+        return [
+            round_up(min(final_len, index_map.max_entries), self.page_size) // self.page_size
+            for index_map in self.maps
+        ]
+
+    def pages_held(self, row: int) -> list[int]:
+        """Per group, the pages the row holds now (0 for a row without slots)."""
+        return [
+            round_up(index_map.length(row), self.page_size) // self.page_size if index_map.is_active(row) else 0
+            for index_map in self.maps
+        ]
 
     # -- forward -----------------------------------------------------------------------------
     def is_sparse(self, layer: int) -> bool:
@@ -206,37 +241,65 @@ class SparseState:
         return ForwardPlan(self._to_device(qo_indptr), tuple(groups), config.sink, config.window)
 
     def plan_decode(self, rows: Sequence[int]) -> ForwardPlan:
-        """Plan a decode step: each row's newest slot (appended by alloc) takes the new token."""
+        """Plan a decode step: each row's newest slot (appended by alloc) takes the new token,
+        and the rows that alloc cut back to the budget get their eviction (`evict_slots`)."""
         self.forward_plans += 1
         groups = []
-        for index_map in self.maps:
+        for index_map, budget, evictions in zip(self.maps, self.budgets, self._evictions):
             lengths = [index_map.length(row) for row in rows]
             indptr = _indptr(lengths)
             indices = self._indices(index_map, rows)
             last = torch.tensor(indptr[1:], dtype=torch.int64, device=self.device) - 1
-            groups.append(GroupPlan(self._to_device(indptr), indices, indices[last]))
-        return ForwardPlan(self._to_device(_indptr([1] * len(rows))), tuple(groups))
+            evicting = [evictions.pop(row) for row in rows if row in evictions]
+            if evictions:
+                raise IndexMapError(f"rows {sorted(evictions)} evicted but are not in this decode batch")
+            evict_slots = self._to_device(torch.stack(evicting)) if evicting else None
+            self.evictions += len(evicting)
+            groups.append(GroupPlan(self._to_device(indptr), indices, indices[last], budget, evict_slots=evict_slots))
+        config = self.resolved.config
+        return ForwardPlan(self._to_device(_indptr([1] * len(rows))), tuple(groups), config.sink, config.window)
 
     def group_plan(self, plan: ForwardPlan, layer: int) -> GroupPlan:
         return plan.groups[self.group_of[layer]]
 
     # -- observability -----------------------------------------------------------------------
     def requests_running(self) -> int:
-        return len(self.maps[0].active_rows()) if self.maps else 0
+        return len(self._running_rows())
+
+    def _running_rows(self) -> list[int]:
+        return self.maps[0].active_rows() if self.maps else []
+
+    def kv_bytes(self) -> tuple[int, int]:
+        """(bytes the running requests hold, bytes stock SGLang would hold for them).
+
+        Running rows only: tokens the radix tree caches for finished requests belong to none.
+        """
+        rows = self._running_rows()
+        resolved, page = self.resolved, self.page_size
+        full_tokens = sum(round_up(self.logical[row], page) for row in rows)
+        sparse_slots = {layer: self.maps[group].pool.slots_in_use() for layer, group in self.group_of.items()}
+        in_use = kv_bytes_in_use(full_tokens, sparse_slots, resolved, self.bytes_per_token, self.slot_bytes)
+        dense = sum(dense_kv_bytes(self.logical[row], resolved.num_layers, self.bytes_per_token, page) for row in rows)
+        return in_use, dense
 
     def stats(self) -> dict:
-        """Per-layer slot use, for `/kvsparse/stats` and the leak checks of the tests."""
+        """Per-layer slot use and bytes, for `/kvsparse/stats`, the metrics and the tests."""
         layers = []
+        full_in_use = sum(round_up(self.logical[row], self.page_size) for row in self._running_rows())
         for layer, (kind, budget) in enumerate(zip(self.resolved.kinds, self.resolved.budgets)):
-            row = {"layer": layer, "kind": kind, "budget": budget}
             if kind == "sparse":
                 pool = self.maps[self.group_of[layer]].pool
-                row.update(slots_in_use=pool.slots_in_use(), slots_total=pool.num_slots)
-            layers.append(row)
+                in_use, total = pool.slots_in_use(), pool.num_slots
+            else:  # SGLang's pool: the running requests' tokens (the radix tree may cache more)
+                in_use, total = full_in_use, self.dense_capacity
+            layers.append({"layer": layer, "kind": kind, "budget": budget, "slots_in_use": in_use, "slots_total": total})
+        in_use, dense = self.kv_bytes()
         return {
             "enabled": True,
             "config": self.resolved.config.to_dict(),
             "layers": layers,
+            "kv_bytes_in_use": in_use,
+            "kv_bytes_if_dense": dense,
             "pools": [
                 {"budget": b, "max_entries": m.max_entries, "free_slots": m.pool.available_slots(), "initial_free_slots": free}
                 for m, b, free in zip(self.maps, self.budgets, self.initial_free_slots)
@@ -244,6 +307,7 @@ class SparseState:
             "requests_running": self.requests_running(),
             "requests_running_peak": self.requests_running_peak,
             "forward_plans": self.forward_plans,
+            "evictions": self.evictions,
         }
 
     # -- internals ---------------------------------------------------------------------------

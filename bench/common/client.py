@@ -108,10 +108,11 @@ def _count_lines(path: Path) -> int:
 class KvStatsPoller:
     """Samples ``GET /kvsparse/stats`` during a run, for the KV bytes each request really holds.
 
-    The project's server is meant to answer it with ``kv_bytes_in_use`` and ``requests_running``.
-    A server that does not (stock SGLang, or a project build without the endpoint) answers 404
-    at the first probe; the poller then stops and :attr:`available` stays False, so the report
-    falls back to the dense figure and says so.
+    The project's server answers it with ``kv_bytes_in_use``, ``requests_running`` and per-layer
+    ``slots_in_use``. A server that does not (stock SGLang) answers 404 at the first probe; the
+    poller then stops and :attr:`available` stays False, so the report falls back to the dense
+    figure and says so. A probe that times out (the scheduler answers between forwards, and a
+    long CPU prefill delays it) is skipped, not taken for a missing endpoint.
     """
 
     def __init__(self, base_url: str, interval_s: float = 1.0) -> None:
@@ -121,6 +122,7 @@ class KvStatsPoller:
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self.available = False
         self.max_bytes_per_request: float | None = None
+        self.layer_slots_per_request: dict[str, float] = {}  # layer kind -> mean slots, at that max
 
     def __enter__(self) -> "KvStatsPoller":
         self._thread.start()
@@ -139,25 +141,36 @@ class KvStatsPoller:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            sample = self._sample()
-            if sample is None:
+            if not self._sample():
                 return
             self._stop.wait(self._interval_s)
 
-    def _sample(self) -> dict | None:
+    def _sample(self) -> bool:
+        """Take one sample; False when the server has no usable stats endpoint."""
         try:
-            response = requests.get(self._url, timeout=5)
+            response = requests.get(self._url, timeout=30)
+        except requests.Timeout:
+            return True
         except requests.RequestException:
-            return None
+            return False
         if response.status_code != 200:
-            return None
+            return False
         stats = response.json()
         if "kv_bytes_in_use" not in stats or "requests_running" not in stats:
-            return None
+            return False
         self.available = True
         running = stats["requests_running"]
         if running > 0:
             per_request = stats["kv_bytes_in_use"] / running
             if self.max_bytes_per_request is None or per_request > self.max_bytes_per_request:
                 self.max_bytes_per_request = per_request
-        return stats
+                self.layer_slots_per_request = _mean_slots_by_kind(stats["layers"], running)
+        return True
+
+
+def _mean_slots_by_kind(layers: list[dict], running: int) -> dict[str, float]:
+    """Mean slots in use per running request, over the layers of each kind (full, sparse)."""
+    by_kind: dict[str, list[float]] = {}
+    for layer in layers:
+        by_kind.setdefault(layer["kind"], []).append(layer["slots_in_use"] / running)
+    return {kind: sum(values) / len(values) for kind, values in by_kind.items()}

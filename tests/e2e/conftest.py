@@ -2,6 +2,8 @@
 
 - "project": the project's launcher with sparsity off;
 - "sparse": the project's launcher with sparse layers whose budgets cover every length (lossless);
+- "evicting": sparse layers with a budget of 256 that really evict, in a KV pool small enough
+  (`EVICTING_ARGS`) that concurrent requests force SGLang to retract;
 - "stock": stock SGLang.
 
 All serve the embedded default model in float32 with the same KV pool, so any difference in their
@@ -27,6 +29,17 @@ SPARSE_BASELINE_ARGS = ["--chunked-prefill-size", "-1", "--mem-fraction-static",
 #: Sparse layers 2..29 with a budget of the whole context: nothing may change in the outputs.
 LOSSLESS_SPARSITY = ["--kvsparse-full-layers", "0,1", "--kvsparse-budget", "8192"]
 
+#: Budget 256 (evicting above 272 entries). The pool is split for 256-token requests, so the full
+#: layers get 4,096 tokens: one ~3,000-token prompt fits, and six requests of ~900 tokens do
+#: not, which with SGLang's admission made optimistic (`RETRACTING_ENV`) forces retractions.
+EVICTING_BUDGET = 256
+EVICTING_ARGS = [
+    "--dtype", "float32", "--max-total-tokens", "4096",
+    "--kvsparse-full-layers", "0,1", "--kvsparse-budget", str(EVICTING_BUDGET),
+    "--kvsparse-config", '{"pool_target_len": 256}',
+]
+RETRACTING_ENV = {"SGLANG_INIT_NEW_TOKEN_RATIO": "0.05"}
+
 
 @pytest.fixture(scope="session")
 def model_path() -> str:
@@ -44,7 +57,7 @@ def servers(model_path, tmp_path_factory):
     started = {
         "project": Server(
             "project",
-            [PYTHON, "-m", "sglang_kvsparse.launch_server", *COMMON_ARGS],
+            [PYTHON, "-m", "sglang_kvsparse.launch_server", *COMMON_ARGS, "--kvsparse-preset", "off"],
             log_dir,
             server_env(),
         ),
@@ -53,6 +66,12 @@ def servers(model_path, tmp_path_factory):
             [PYTHON, "-m", "sglang_kvsparse.launch_server", *COMMON_ARGS, *LOSSLESS_SPARSITY],
             log_dir,
             server_env(),
+        ),
+        "evicting": Server(
+            "evicting",
+            [PYTHON, "-m", "sglang_kvsparse.launch_server", *EVICTING_ARGS],
+            log_dir,
+            {**server_env(), **RETRACTING_ENV},
         ),
         "stock": Server("stock", [PYTHON, "-m", "sglang.launch_server", *stock_args], log_dir, stock_env),
     }
@@ -73,6 +92,11 @@ def project_server(servers) -> Server:
 @pytest.fixture(scope="session")
 def sparse_server(servers) -> Server:
     return servers["sparse"]
+
+
+@pytest.fixture(scope="session")
+def evicting_server(servers) -> Server:
+    return servers["evicting"]
 
 
 @pytest.fixture(scope="session")

@@ -81,6 +81,12 @@ class Server:
             pass
         self._log.close()
 
+    def stats(self) -> dict:
+        """The project's `GET /kvsparse/stats`."""
+        response = requests.get(f"{self.url}/kvsparse/stats", timeout=120)
+        response.raise_for_status()
+        return response.json()
+
     def generate(self, text: str, max_new_tokens: int, **sampling) -> dict:
         payload = {
             "text": text,

@@ -48,8 +48,8 @@ def test_engine_matches_stock_server(stock_server):
         assert ids == stock_server.generate(prompt, MAX_NEW_TOKENS)["output_ids"], prompt
 
 
-def test_engine_rejects_budgets_below_context_until_compression_exists():
+def test_engine_rejects_a_layer_outside_the_model_before_starting():
     import sglang_kvsparse
 
-    with pytest.raises(Exception, match="prefill compression is not built yet"):
-        sglang_kvsparse.Engine(kvsparse_preset="snapkv")
+    with pytest.raises(Exception, match="layer 40 is outside the model"):
+        sglang_kvsparse.Engine(kvsparse_full_layers="0,40")

@@ -25,14 +25,8 @@ def _outputs(server, prompts):
         return list(pool.map(lambda p: server.generate(p, MAX_NEW_TOKENS), prompts))
 
 
-def _stats(server) -> dict:
-    response = requests.get(f"{server.url}/kvsparse/stats", timeout=60)
-    response.raise_for_status()
-    return response.json()
-
-
 def test_sparse_layers_with_full_budgets_match_stock(sparse_server, stock_server):
-    before = _stats(sparse_server)
+    before = sparse_server.stats()
     assert before["enabled"] and [row["layer"] for row in before["layers"] if row["kind"] == "full"] == [0, 1]
     prompts = [*SHORT_PROMPTS, long_prompt(10000)]
     ours = _outputs(sparse_server, prompts)
@@ -42,7 +36,7 @@ def test_sparse_layers_with_full_budgets_match_stock(sparse_server, stock_server
         assert len(mine["output_ids"]) > 0
         assert mine["output_ids"] == theirs["output_ids"], prompt[:60]
 
-    after = _stats(sparse_server)
+    after = sparse_server.stats()
     assert after["requests_running"] == 0 and after["requests_running_peak"] >= 2
     assert after["forward_plans"] > before["forward_plans"] + MAX_NEW_TOKENS
     for pool in after["pools"]:
@@ -61,9 +55,9 @@ def test_aborted_streams_return_their_slots(sparse_server):
         chunks = response.iter_lines()
         for _ in range(4):
             next(chunks)
-        assert _stats(sparse_server)["requests_running"] == 1
+        assert sparse_server.stats()["requests_running"] == 1
     deadline = time.monotonic() + 120
-    while (stats := _stats(sparse_server))["requests_running"] and time.monotonic() < deadline:
+    while (stats := sparse_server.stats())["requests_running"] and time.monotonic() < deadline:
         time.sleep(1)
     assert stats["requests_running"] == 0
     for pool in stats["pools"]:

@@ -67,6 +67,17 @@ def test_split_pool_hand_checked():
     assert "8 requests of 4096 tokens" in split.describe()
 
 
+def test_split_pool_charges_the_score_bytes_of_sparse_slots():
+    total = 10_000 * 30 * BPT
+    slot_bytes = BPT + BPT // 64  # fp32 scores of a bf16, D=128 layer: 1/64 of its K+V bytes
+    split = split_pool(total, DEFAULT, BPT, target_len=4096, sparse_slot_bytes=slot_bytes)
+    plain = split_pool(total, DEFAULT, BPT, target_len=4096)
+    assert split.full_tokens < plain.full_tokens and split.sparse_slots[2] < plain.sparse_slots[2]
+    assert total - slot_bytes * 29 <= split.used_bytes <= total
+    with pytest.raises(ValueError, match="below bytes_per_token"):
+        split_pool(total, DEFAULT, BPT, sparse_slot_bytes=BPT - 1)
+
+
 def test_split_pool_rounds_to_pages_and_defaults_to_context():
     total = 10_000 * 30 * BPT
     paged = split_pool(total, DEFAULT, BPT, target_len=4096, page_size=16)

@@ -15,21 +15,24 @@ SHAPE = ModelShape(num_layers=30, context_len=8192, num_kv_heads=3, head_dim=64)
 LOSSLESS = SparsityConfig(full_layers=(0, 1), budget=8192)
 
 
-def test_budgets_covering_the_context_are_served_smaller_ones_refused_until_compression():
-    validate_for_model(LOSSLESS, SHAPE)
-    validate_for_model(PRESETS["off"], SHAPE)
-    with pytest.raises(LaunchError, match="prefill compression is not built yet.*--kvsparse-budget 8192"):
-        validate_for_model(PRESETS["default"], SHAPE)
+def test_every_preset_fits_the_model_and_bad_layers_are_refused_in_one_line():
+    for config in (LOSSLESS, *PRESETS.values()):
+        validate_for_model(config, SHAPE)
+    with pytest.raises(LaunchError, match="layer 30 is outside the model"):
+        validate_for_model(SparsityConfig(full_layers=(0, 30), budget=512), SHAPE)
 
 
-def test_sparse_servers_get_no_chunking_and_a_memory_fraction_on_the_cpu():
+def test_sparse_servers_get_no_chunking_no_overlap_and_a_memory_fraction_on_the_cpu():
     assert sparse_sglang_defaults(PRESETS["off"], {}, cpu=True) == {}
+    no_overlap = {"disable_overlap_schedule": True}
     assert sparse_sglang_defaults(LOSSLESS, {}, cpu=True) == {
         "chunked_prefill_size": -1,
         "mem_fraction_static": CPU_SPARSE_MEM_FRACTION,
+        **no_overlap,
     }
-    assert sparse_sglang_defaults(LOSSLESS, {"chunked_prefill_size": -1, "mem_fraction_static": 0.5}, cpu=True) == {}
-    assert sparse_sglang_defaults(LOSSLESS, {}, cpu=False) == {"chunked_prefill_size": -1, **GPU_SPARSE_OPTIONS}
+    given = {"chunked_prefill_size": -1, "mem_fraction_static": 0.5}
+    assert sparse_sglang_defaults(LOSSLESS, given, cpu=True) == no_overlap
+    assert sparse_sglang_defaults(LOSSLESS, {}, cpu=False) == {"chunked_prefill_size": -1, **no_overlap, **GPU_SPARSE_OPTIONS}
 
 
 @pytest.mark.parametrize("given", [{"chunked_prefill_size": 512}, {"enable_mixed_chunk": True}])

@@ -6,19 +6,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_kvsparse.config import SparsityConfig
-from sglang_kvsparse.index_map import IndexMapError
+from sglang_kvsparse.index_map import IndexMapError, SlotPoolExhausted
 from sglang_kvsparse.sparse_attention import sparse_decode, sparse_extend
 from sglang_kvsparse.sparse_state import SparseState
 
 H_KV, G, D = 2, 3, 8
 
 
-def make_state(num_layers=4, context=64, slots=256, page=1, max_requests=8, budget=None, window=2):
-    config = SparsityConfig(full_layers=(0,), budget=budget or context, sink=1, window=window, pool_kernel=1)  # no pooling: no score ties
+def make_state(num_layers=4, context=64, slots=256, page=1, max_requests=8, budget=None, window=2, evict_page=16):
+    config = SparsityConfig(  # pool_kernel 1: no pooling, so no score ties
+        full_layers=(0,), budget=budget or context, sink=1, window=window, pool_kernel=1, evict_page=evict_page
+    )
     resolved = config.resolve(num_layers, context)
     return SparseState(
         resolved,
-        slots_per_layer=slots,
+        slots_per_layer={layer: slots for layer in resolved.sparse_layers},
         max_requests=max_requests,
         num_kv_heads=H_KV,
         head_dim=D,
@@ -53,17 +55,60 @@ def test_prefill_then_decode_then_free_returns_every_slot():
     assert pool["free_slots"] == pool["initial_free_slots"] == 256
 
 
-def test_refuses_jumps_and_full_rows_without_partial_state():
-    state = make_state(num_layers=4, context=64, budget=8)  # max_entries = budget + evict_page 16
+def test_refuses_jumps_and_exhaustion_without_partial_state():
+    state = make_state(num_layers=4, context=64, budget=8, slots=16)
     grow(state, [1, 2], [4, 30])
     assert state.maps[0].length(2) == 8  # a prefill keeps min(length, budget)
     with pytest.raises(IndexMapError, match="one decode token"):
         grow(state, [1], [6])
-    for n in range(31, 31 + 16):
-        grow(state, [2], [n])
-    with pytest.raises(IndexMapError, match="decode eviction"):
-        grow(state, [1, 2], [5, 47])
-    assert state.maps[0].length(1) == 4 and state.maps[0].length(2) == 24
+    with pytest.raises(SlotPoolExhausted):
+        grow(state, [1, 2, 3], [5, 31, 8])  # 1 + 1 + 8 slots, 4 free
+    assert state.maps[0].length(1) == 4 and state.maps[0].length(2) == 8
+    assert not state.maps[0].is_active(3) and state.maps[0].pool.available_slots() == 4
+
+
+def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries():
+    torch.manual_seed(2)
+    budget, sink, window, evict_page = 8, 1, 2, 4
+    state = make_state(budget=budget, window=window, evict_page=evict_page)
+    index_map, buffers = state.maps[0], state.buffers[1]
+    grow(state, [1, 2], [20, 3])
+    for n in range(1, evict_page + 1):  # row 1 grows to budget + evict_page entries
+        grow(state, [1, 2], [20 + n, 3 + n])
+        state.plan_decode([1, 2])
+    assert index_map.length(1) == budget + evict_page
+    old = index_map.slots(1)
+    buffers.k[old] = torch.randn(old.numel(), H_KV, D)
+    buffers.v[old] = torch.randn(old.numel(), H_KV, D)
+    buffers.scores[old] = torch.rand(old.numel(), H_KV)
+    k_old, v_old, s_old = buffers.k[old].clone(), buffers.v[old].clone(), buffers.scores[old].clone()
+
+    grow(state, [1, 2], [25, 8])
+    assert index_map.length(1) == budget + 1 and index_map.length(2) == 8  # row 2 is below its budget
+    plan = state.plan_decode([1, 2])
+    group = state.group_plan(plan, 1)
+    assert group.evict_slots.shape == (1, budget + evict_page)
+    qd, kd, vd = torch.randn(2, H_KV * G, D), torch.randn(2, H_KV, D), torch.randn(2, H_KV, D)
+    od = sparse_decode(qd, kd, vd, 0.3, plan, group, buffers)
+
+    slots = index_map.slots(1)
+    n_old = budget + evict_page
+    for h in range(H_KV):
+        rest = sorted(range(sink, n_old - window), key=lambda p: -float(s_old[p, h]))
+        expected = sorted([*range(sink), *range(n_old - window, n_old), *rest[: budget - sink - window]])
+        assert torch.equal(buffers.k[slots[:budget], h], k_old[expected, h]), h
+        assert torch.equal(buffers.v[slots[:budget], h], v_old[expected, h])
+        keys = torch.cat([k_old[expected, h], kd[0:1, h]])
+        values = torch.cat([v_old[expected, h], vd[0:1, h]])
+        heads = slice(h * G, (h + 1) * G)
+        want = dense_attention(qd[0:1, heads], keys[:, None], values[:, None], 0.3, False)
+        assert torch.allclose(od[0, heads].double(), want[0], atol=1e-5)
+    assert torch.equal(buffers.k[slots[budget]], kd[0])
+    assert state.stats()["evictions"] == 1
+    with pytest.raises(IndexMapError, match="not in this decode batch"):
+        for n in range(26, 26 + evict_page):
+            grow(state, [1], [n])
+        state.plan_decode([2])
 
 
 def test_plan_extend_refuses_a_cached_prefix():
@@ -76,20 +121,22 @@ def test_plan_extend_refuses_a_cached_prefix():
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["new", "decode", "free"]), st.integers(1, 7), st.integers(1, 12)), max_size=40))
 def test_slot_conservation_under_random_lifecycles(ops):
-    state = make_state(page=2, slots=64)
+    state = make_state(page=2, slots=64, budget=4, window=1, evict_page=2)
     index_map = state.maps[0]
     for op, row, length in ops:
         try:
             if op == "new" and not index_map.is_active(row):
                 grow(state, [row], [length])
             elif op == "decode" and index_map.is_active(row):
-                grow(state, [row], [index_map.length(row) + 1])
+                grow(state, [row], [state.logical[row] + 1])
+                state.plan_decode([row])  # hands over the eviction alloc may have made
             elif op == "free":
                 state.free(row)
         except IndexMapError:
             pass  # exhausted pool: the state must be unchanged, checked below
         held = sum(-(-index_map.length(r) // 2) * 2 for r in index_map.active_rows())
         assert index_map.pool.slots_in_use() == held
+        assert all(index_map.length(r) <= index_map.max_entries for r in index_map.active_rows())
     state.clear()
     assert index_map.pool.available_slots() == 64
 
@@ -124,7 +171,7 @@ def test_sparse_forward_matches_dense_attention_and_stores_kv():
     plan = state.plan_decode([1, 2])
     group = state.group_plan(plan, 2)
     qd, kd, vd = torch.randn(2, H_KV * G, D), torch.randn(2, H_KV, D), torch.randn(2, H_KV, D)
-    od = sparse_decode(qd, kd, vd, 0.3, group, state.buffers[2])
+    od = sparse_decode(qd, kd, vd, 0.3, plan, group, state.buffers[2])
     keys = torch.cat([k[5:], kd[1:]])
     values = torch.cat([v[5:], vd[1:]])
     assert torch.allclose(od[1:].double(), dense_attention(qd[1:], keys, values, 0.3, False), atol=1e-5)
@@ -164,3 +211,17 @@ def test_prefill_compression_keeps_protected_and_best_scored_keys_per_head():
         assert torch.equal(buffers.k[slots, h], k[[5 + p for p in expected], h]), h
         assert torch.equal(buffers.v[slots, h], v[[5 + p for p in expected], h])
         assert torch.equal(buffers.scores[slots, h], scores[[5 + p for p in expected], h])
+
+
+def test_stats_report_bytes_held_beside_dense_and_every_layer():
+    state = make_state(num_layers=4, context=64, budget=8)
+    grow(state, [1, 2], [30, 5])
+    stats = state.stats()
+    bpt = 2 * H_KV * D * 4
+    slot_bytes = bpt + 4 * H_KV
+    assert stats["requests_running"] == 2
+    assert stats["kv_bytes_if_dense"] == (30 + 5) * 4 * bpt
+    assert stats["kv_bytes_in_use"] == (30 + 5) * 1 * bpt + (8 + 5) * 3 * slot_bytes
+    full, sparse = stats["layers"][0], stats["layers"][1]
+    assert (full["kind"], full["slots_in_use"], full["slots_total"]) == ("full", 35, 256)
+    assert (sparse["kind"], sparse["budget"], sparse["slots_in_use"], sparse["slots_total"]) == ("sparse", 8, 13, 256)

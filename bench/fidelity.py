@@ -1,0 +1,294 @@
+"""Retrieval fidelity through the project's server: full cache against sparsity at several budgets,
+beside NVIDIA kvpress on the same prompts.
+
+For each system (the full cache: the project's launcher with ``--kvsparse-preset off``; then each
+variant at each budget) this starts the server on the default model (fp32, CPU), asks every prompt
+of ``sglang_kvsparse.retrieval`` (passkey and needle-in-essays) through the OpenAI chat endpoint
+with greedy decoding, scores the answers, and stops the server. Variants:
+
+- ``snapkv``: every layer sparse at the budget: kvpress's SnapKV setting, method for method;
+- ``default``: the launcher's default recipe, layers 0 and 1 full, the others at the budget.
+
+As in kvpress's runs, a budget is evaluated only on prompts longer than it. The comparison uses the
+prompts that both full caches (this server's and kvpress's) answer correctly, so every cell of a
+row counts the same prompts; prompts kvpress's full cache misses cannot count, so they are not
+asked unless ``--all-prompts`` is given (it triples the run time). kvpress's numbers are read from
+its report (``bench/fidelity_kvpress.py``, run in its own environment), matched by prompt id and
+answer.
+
+Writes ``<out-dir>/fidelity-<date>.json`` (every answer), ``.md`` and ``.png`` (accuracy against
+budget), rewritten after each system.
+
+Usage: .venv/bin/python bench/fidelity.py [--budgets 256,512,1024,2048] [--variants snapkv,default]
+       [--kvpress bench/results/fidelity-kvpress-<date>.json] [--all-prompts] [--limit N] [--out-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import requests
+from common.report import ReportPaths, write_json
+from common.server import ServerStartError
+from common.systems import ServerSettings, args_for_report, machine, prepare_model, server_for, shared_server_args
+
+from sglang_kvsparse import retrieval
+from sglang_kvsparse.texts import essay_text
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DEFAULT_BUDGETS = (256, 512, 1024, 2048)
+FULL = "full"
+FULL_FLAGS = ("--kvsparse-preset", "off")
+VARIANTS: dict[str, Callable[[int], tuple[str, ...]]] = {
+    "snapkv": lambda budget: ("--kvsparse-preset", "snapkv", "--kvsparse-budget", str(budget)),
+    "default": lambda budget: ("--kvsparse-full-layers", "0,1", "--kvsparse-budget", str(budget)),
+}
+SETTINGS = ServerSettings(model="default", device="cpu", dtype="float32", max_total_tokens=16384,
+                          mem_fraction_static=None, decode_log_interval=40, startup_timeout_s=900.0)
+
+
+def say(message: str) -> None:
+    print(f"[fidelity] {message}", flush=True)
+
+
+def build_prompts() -> list[retrieval.RetrievalPrompt]:
+    essays = essay_text(retrieval.min_essay_chars())
+    return retrieval.passkey_prompts() + retrieval.needle_prompts(essays)
+
+
+def ask(base_url: str, prompt: retrieval.RetrievalPrompt, max_new_tokens: int) -> dict[str, Any]:
+    """One greedy chat completion; the answer, whether it is right, and the prompt's token count."""
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": prompt.user_message}],
+        "temperature": 0,
+        "max_tokens": max_new_tokens,
+    }
+    response = requests.post(f"{base_url}/v1/chat/completions", json=body, timeout=900)
+    response.raise_for_status()
+    result = response.json()
+    output = result["choices"][0]["message"]["content"] or ""
+    return {
+        "output": output,
+        "correct": retrieval.is_correct(prompt.answer, output),
+        "prompt_tokens": result["usage"]["prompt_tokens"],
+    }
+
+
+def run_system(name: str, flags: tuple[str, ...], shared: list[str], prompts: list,
+               budget: int | None, log_dir: Path, max_new_tokens: int) -> dict[str, Any]:
+    """Start one server, ask every prompt longer than `budget`, stop it."""
+    system: dict[str, Any] = {"name": name, "flags": list(flags), "budget": budget, "answers": {},
+                              "error": None}
+    started = time.monotonic()
+    try:
+        with server_for(name, flags, shared, SETTINGS, log_dir, say) as server:
+            for number, prompt in enumerate(prompts, 1):
+                answer = ask(server.base_url, prompt, max_new_tokens)
+                if budget is not None and answer["prompt_tokens"] <= budget:
+                    continue
+                system["answers"][prompt.prompt_id] = answer
+                mark = "✓" if answer["correct"] else "✗"
+                say(f"[{name}] {number}/{len(prompts)} {prompt.prompt_id} "
+                    f"({answer['prompt_tokens']} tok): {mark} {answer['output'][:40]!r}")
+    except (ServerStartError, requests.RequestException) as exc:
+        say(f"[{name}] failed: {exc}")
+        system["error"] = str(exc).splitlines()[0]
+    system["seconds"] = round(time.monotonic() - started)
+    return system
+
+
+def load_kvpress(path: Path, prompts: list) -> dict[str, Any]:
+    """kvpress's answers by prompt id, refusing a report built from other prompts."""
+    report = json.loads(path.read_text())
+    by_id = {p["prompt_id"]: p for p in report["prompts"]}
+    for prompt in prompts:
+        theirs = by_id.get(prompt.prompt_id)
+        if theirs is None or theirs["answer"] != prompt.answer:
+            raise SystemExit(f"{path} was not built from these prompts ({prompt.prompt_id}); "
+                             "rerun bench/fidelity_kvpress.py")
+    return {"path": str(path), "kvpress": report["settings"]["kvpress"], "prompts": by_id}
+
+
+def accuracy(report: dict[str, Any], kvpress: dict[str, Any] | None) -> dict[str, Any]:
+    """Correct / evaluated per (method, budget) over the prompts both full caches solve."""
+    systems = {s["name"]: s for s in report["systems"] if s["error"] is None}
+    full = systems.get(FULL)
+    if full is None:
+        return {}
+    solved = {pid for pid, a in full["answers"].items() if a["correct"]}
+    if kvpress is not None:
+        solved &= {pid for pid, p in kvpress["prompts"].items() if p["full"]["correct"]}
+    rows: dict[str, dict[str, dict[str, int]]] = {}
+    for system in systems.values():
+        if system["budget"] is None:
+            continue
+        variant = system["name"].rsplit("-", 1)[0]
+        runs = [a for pid, a in system["answers"].items() if pid in solved]
+        rows.setdefault(f"project {variant}", {})[str(system["budget"])] = {
+            "correct": sum(a["correct"] for a in runs), "evaluated": len(runs)}
+    if kvpress is not None:
+        for method in ("snapkv", "pyramidkv", "streamingllm"):
+            for budget in report["settings"]["budgets"]:
+                runs = [kvpress["prompts"][pid]["methods"].get(method, {}).get(str(budget))
+                        for pid in solved]
+                runs = [r for r in runs if r is not None]
+                if runs:
+                    rows.setdefault(f"kvpress {method}", {})[str(budget)] = {
+                        "correct": sum(r["correct"] for r in runs), "evaluated": len(runs)}
+    return {"solved_by_both_full_caches": sorted(solved), "rows": rows,
+            "full_cache_solved": sum(a["correct"] for a in full["answers"].values()),
+            "prompts": len(full["answers"])}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    budgets = report["settings"]["budgets"]
+    acc = report["accuracy"]
+    lines = [
+        f"# Retrieval fidelity through the server — {report['date']}",
+        "",
+        f"- Machine: {report['machine']}",
+        f"- Server arguments (all systems): `{' '.join(report['server_args'])}`",
+        f"- {len(report['prompt_ids'])} prompts (passkey and needle-in-essays, "
+        f"{report['settings']['prompt_tokens_min']:,}–{report['settings']['prompt_tokens_max']:,} "
+        f"tokens), greedy, {report['settings']['max_new_tokens']} new tokens, OpenAI chat endpoint",
+        f"- kvpress reference: {report['kvpress']['path'] if report.get('kvpress') else 'none'}",
+        "",
+    ]
+    if not acc:
+        return "\n".join(lines + ["The full-cache run failed; no accuracy."]) + "\n"
+    solved = len(acc["solved_by_both_full_caches"])
+    lines += [
+        f"Full cache through the server: {acc['full_cache_solved']}/{acc['prompts']} correct. Each "
+        f"cell: correct / evaluated over the {solved} prompts that both full caches (this server's "
+        "and kvpress's) answer correctly; a budget is evaluated on prompts longer than it.",
+        "",
+        "| method | " + " | ".join(f"{b:,}" for b in budgets) + " |",
+        "|---|" + "---|" * len(budgets),
+    ]
+    for method, cells in acc["rows"].items():
+        shown = [cells.get(str(b)) for b in budgets]
+        lines.append(f"| {method} | " + " | ".join(
+            "—" if c is None else f"{c['correct']}/{c['evaluated']}" for c in shown) + " |")
+    lines += ["", "## Per prompt", "",
+              "| prompt | tokens | answer | " + " | ".join(s["name"] for s in report["systems"]) + " |",
+              "|---|---|---|" + "---|" * len(report["systems"])]
+    tokens = report["prompt_tokens"]
+    for pid, answer in zip(report["prompt_ids"], report["answers"]):
+        marks = []
+        for system in report["systems"]:
+            run = system["answers"].get(pid)
+            marks.append("—" if run is None else ("✓" if run["correct"] else "✗"))
+        lines.append(f"| {pid} | {tokens.get(pid, '—')} | {answer} | " + " | ".join(marks) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    acc = report["accuracy"]
+    if not acc:
+        return
+    fig, axis = plt.subplots(figsize=(7, 4))
+    for method, cells in acc["rows"].items():
+        budgets = sorted(int(b) for b in cells)
+        rate = [cells[str(b)]["correct"] / max(cells[str(b)]["evaluated"], 1) for b in budgets]
+        axis.plot(budgets, rate, marker="o", linestyle="-" if method.startswith("project") else "--",
+                  label=method)
+    axis.axhline(1.0, color="gray", linewidth=0.8, label="full cache")
+    axis.set(xscale="log", xlabel="budget (tokens kept per sparse layer)",
+             ylabel="retrieval accuracy", ylim=(-0.05, 1.05),
+             title=f"Retrieval on prompts both full caches solve — {report['date']}")
+    budgets = report["settings"]["budgets"]
+    axis.set_xticks(budgets, [str(b) for b in budgets])
+    axis.minorticks_off()
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(paths.png, dpi=110)
+    plt.close(fig)
+
+
+def write_report(paths: ReportPaths, report: dict[str, Any], kvpress: dict[str, Any] | None) -> None:
+    tokens = {pid: a["prompt_tokens"] for s in report["systems"] for pid, a in s["answers"].items()}
+    report["prompt_tokens"] = tokens
+    if tokens:
+        report["settings"].update(prompt_tokens_min=min(tokens.values()),
+                                  prompt_tokens_max=max(tokens.values()))
+    report["accuracy"] = accuracy(report, kvpress)
+    write_json(paths, report)
+    if tokens:
+        paths.markdown.write_text(markdown(report))
+        write_plot(paths, report)
+
+
+def latest_kvpress_report() -> Path | None:
+    reports = sorted(RESULTS_DIR.glob("fidelity-kvpress-*.json"))
+    return reports[-1] if reports else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--kvpress", type=Path, default=latest_kvpress_report(),
+                        help="kvpress report to compare with (default: the latest in bench/results)")
+    parser.add_argument("--no-kvpress", action="store_true", help="compare with nothing external")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--limit", type=int, help="only the first N prompts (a quick look)")
+    parser.add_argument("--all-prompts", action="store_true",
+                        help="also ask the prompts kvpress's full cache misses")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    budgets = sorted(int(b) for b in args.budgets.split(","))
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown --variants {unknown}; choose from {list(VARIANTS)}")
+
+    prompts = build_prompts()
+    if not args.no_kvpress and args.kvpress is None:
+        parser.error("no kvpress report in bench/results: run bench/fidelity_kvpress.py, or --no-kvpress")
+    kvpress = None if args.no_kvpress else load_kvpress(args.kvpress, prompts)
+    if kvpress is not None and not args.all_prompts:
+        prompts = [p for p in prompts if kvpress["prompts"][p.prompt_id]["full"]["correct"]]
+    prompts = prompts[: args.limit] if args.limit else prompts
+    date = dt.date.today().isoformat()
+    paths = ReportPaths(args.out_dir, f"fidelity-{date}")
+    log_dir = args.out_dir / f"{paths.stem}-logs"
+    model_dir, load_args = prepare_model(SETTINGS, log_dir)
+    shared = shared_server_args(SETTINGS, model_dir, load_args)
+    report: dict[str, Any] = {
+        "benchmark": "fidelity", "date": date, "machine": machine(),
+        "server_args": args_for_report(shared, model_dir),
+        "settings": {"budgets": budgets, "variants": variants, "max_new_tokens": args.max_new_tokens},
+        "prompt_ids": [p.prompt_id for p in prompts], "answers": [p.answer for p in prompts],
+        "kvpress": kvpress and {k: v for k, v in kvpress.items() if k != "prompts"}, "systems": [],
+    }
+    plan = [(FULL, FULL_FLAGS, None)] + [
+        (f"{variant}-{budget}", VARIANTS[variant](budget), budget)
+        for variant in variants for budget in budgets]
+    say(f"{len(prompts)} prompts; {len(plan)} servers: {', '.join(name for name, _, _ in plan)}")
+    for name, flags, budget in plan:
+        report["systems"].append(
+            run_system(name, flags, shared, prompts, budget, log_dir, args.max_new_tokens))
+        write_report(paths, report, kvpress)
+    if paths.markdown.exists():
+        print(paths.markdown.read_text(), flush=True)
+    say(f"wrote {paths.json}, {paths.markdown}, {paths.png}")
+    return 0 if all(s["error"] is None for s in report["systems"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

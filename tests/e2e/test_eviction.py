@@ -1,0 +1,100 @@
+"""Sparse layers with a real budget (256): they evict, stay bounded, and give every slot back.
+
+The "evicting" server keeps layers 0 and 1 full and 256 entries (plus one eviction page of 16)
+in layers 2..29. Its KV pool is small enough that concurrent requests force SGLang to retract.
+"""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from sglang_kvsparse.texts import essay_text
+
+from .conftest import EVICTING_BUDGET
+from .prompts import SHORT_PROMPTS, long_prompt
+
+pytestmark = pytest.mark.e2e
+
+EVICT_PAGE = 16  # SparsityConfig.evict_page default
+
+
+def _assert_idle_with_every_slot_back(server) -> dict:
+    deadline = time.monotonic() + 120
+    while (stats := server.stats())["requests_running"] and time.monotonic() < deadline:
+        time.sleep(1)
+    assert stats["requests_running"] == 0
+    for pool in stats["pools"]:
+        assert pool["free_slots"] == pool["initial_free_slots"], pool
+    assert all(row["slots_in_use"] == 0 for row in stats["layers"])
+    return stats
+
+
+def test_sparse_layers_hold_at_most_budget_plus_a_page_while_decoding(evicting_server):
+    payload = {
+        "text": long_prompt(13000),
+        "sampling_params": {"max_new_tokens": 80, "temperature": 0, "ignore_eos": True},
+        "stream": True,
+    }
+    evictions_before = evicting_server.stats()["evictions"]
+    samples = []
+    with requests.post(f"{evicting_server.url}/generate", json=payload, stream=True, timeout=600) as response:
+        for i, _ in enumerate(line for line in response.iter_lines() if line):
+            if i % 10 == 2:
+                samples.append(evicting_server.stats())
+    assert len(samples) >= 5
+    for stats in samples:
+        assert stats["requests_running"] == 1
+        full = [row for row in stats["layers"] if row["kind"] == "full"]
+        sparse = [row for row in stats["layers"] if row["kind"] == "sparse"]
+        assert [row["layer"] for row in full] == [0, 1] and len(sparse) == 28
+        assert all(row["slots_in_use"] > 2800 for row in full)  # the whole ~3,000-token sequence
+        assert all(EVICTING_BUDGET <= row["slots_in_use"] <= EVICTING_BUDGET + EVICT_PAGE for row in sparse)
+        assert stats["kv_bytes_in_use"] < 0.2 * stats["kv_bytes_if_dense"]
+    final = _assert_idle_with_every_slot_back(evicting_server)
+    assert final["evictions"] - evictions_before >= 80 // EVICT_PAGE - 1  # one per page of decode
+
+
+def test_short_requests_below_the_budget_match_stock(evicting_server, stock_server):
+    """Nothing is evicted from a sequence shorter than the budget, so greedy output is stock's."""
+    with ThreadPoolExecutor(len(SHORT_PROMPTS)) as pool:
+        ours = list(pool.map(lambda p: evicting_server.generate(p, 32), SHORT_PROMPTS))
+    for prompt, mine in zip(SHORT_PROMPTS, ours):
+        assert mine["output_ids"] == stock_server.generate(prompt, 32)["output_ids"], prompt
+
+
+def test_retractions_forced_by_a_small_pool_return_every_slot(evicting_server):
+    """Six requests of ~870 tokens at the end cannot share 4,096 full-pool tokens. SGLang admits a
+    batch by the requests' full lengths, but charges running requests only the part of their
+    output it expects (`RETRACTING_ENV`; `min_new_tokens` makes them run to the end without
+    `ignore_eos`, which SGLang would plan for). So three are sent first and three more once those
+    run: too many get in, SGLang retracts some mid-decode and re-runs them, and every request
+    completes with all its slots back."""
+    text = essay_text(40000)
+    prompts = [text[i * 2400 : (i + 1) * 2400] + "\n\nSummarize the text above." for i in range(6)]
+    log_start = len(evicting_server.log())
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        ask = lambda p: evicting_server.generate(p, 300, min_new_tokens=300)  # noqa: E731
+        first = [pool.submit(ask, p) for p in prompts[:3]]
+        deadline = time.monotonic() + 300
+        while evicting_server.stats()["requests_running"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        results = [f.result() for f in [*first, *(pool.submit(ask, p) for p in prompts[3:])]]
+    assert all(len(result["output_ids"]) == 300 for result in results)
+    assert "KV cache pool is full. Retract requests." in evicting_server.log()[log_start:]
+    _assert_idle_with_every_slot_back(evicting_server)
+
+
+def test_aborted_stream_returns_every_slot(evicting_server):
+    payload = {
+        "text": long_prompt(4000),
+        "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True},
+        "stream": True,
+    }
+    with requests.post(f"{evicting_server.url}/generate", json=payload, stream=True, timeout=600) as response:
+        lines = (line for line in response.iter_lines() if line)
+        for _ in range(EVICTING_BUDGET):  # far enough to have evicted
+            next(lines)
+        assert evicting_server.stats()["requests_running"] == 1
+    _assert_idle_with_every_slot_back(evicting_server)

@@ -1,0 +1,40 @@
+"""More requests fit: at the KV bytes of stock SGLang's pool, the sparse server runs at least 3x
+as many 4,000-token requests at once (bench/capacity.py, profile sparse-4k, run end to end).
+
+The counts are read from each server's own scheduler log (`#running-req`), the bytes per request
+from the sparse server's `/kvsparse/stats`. No timing is asserted. About five minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.e2e
+def test_sparse_server_runs_three_times_the_requests_of_stock(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "capacity.py"), "--profile", "sparse-4k",
+         "--out-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    [report_file] = tmp_path.glob("capacity-sparse-4k-*.json")
+    report = json.loads(report_file.read_text())
+    systems = {system["name"]: system for system in report["systems"]}
+    stock, sparse = systems["stock"], systems["budget-256"]
+    for system in (stock, sparse):
+        assert system["error"] is None and system["completed"] == report["num_requests"]
+    assert stock["peak_running"] >= 1
+    assert sparse["peak_running"] >= 3 * stock["peak_running"], (sparse["peak_running"], stock["peak_running"])
+    assert sparse["kv_bytes_source"].startswith("measured")
+    dense_bytes = (report["input_len"] + report["output_len"]) * report["kv_bytes_per_token"]
+    assert sparse["kv_bytes_per_request"] < 0.25 * dense_bytes
+    per_layer = sparse["kv_bytes_per_request_per_layer"]
+    assert per_layer["sparse"] < per_layer["full"] / 10

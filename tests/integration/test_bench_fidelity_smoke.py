@@ -1,0 +1,38 @@
+"""The fidelity benchmark runs end to end through the server on one prompt: the full cache and one
+sparse variant are started, asked, scored and reported (JSON, markdown, PNG), beside kvpress's
+committed answers for the same prompt. About two minutes: two server starts.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.e2e
+def test_fidelity_runs_one_prompt_through_two_servers(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "fidelity.py"), "--limit", "1", "--budgets", "256",
+         "--variants", "snapkv", "--out-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=1200,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    [report_file] = tmp_path.glob("fidelity-*.json")
+    report = json.loads(report_file.read_text())
+    assert [s["name"] for s in report["systems"]] == ["full", "snapkv-256"]
+    prompt_id = report["prompt_ids"][0]
+    for system in report["systems"]:
+        assert system["error"] is None
+        answer = system["answers"][prompt_id]
+        assert answer["prompt_tokens"] > 2000 and answer["output"]
+    assert report["kvpress"]["path"].endswith(".json")
+    if report["accuracy"]["solved_by_both_full_caches"]:  # the full caches' verdicts are data
+        assert report["accuracy"]["rows"]["project snapkv"]["256"]["evaluated"] == 1
+    assert report_file.with_suffix(".md").read_text().startswith("# Retrieval fidelity")
+    assert report_file.with_suffix(".png").stat().st_size > 0
