@@ -20,6 +20,10 @@ PROJECT_OFF = ("--kvsparse-preset", "off")
 PROJECT_DEFAULT = ("--kvsparse-preset", "default")
 #: A tight budget: layers 0-1 full, 256 entries elsewhere (the eviction test's setting).
 PROJECT_BUDGET_256 = ("--kvsparse-full-layers", "0,1", "--kvsparse-budget", "256")
+#: The published setting: layers 0-2 full. The KV bytes are split for the workload's requests
+#: (5,500 tokens) rather than for the model's 131,072-token context, which would give the full
+#: layers room for 128k-token requests and the sparse pools almost none.
+NOVITA_SPARSITY = ("--kvsparse-full-layers", "0,1,2", "--kvsparse-config", '{"pool_target_len": 5500}')
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,9 @@ class Profile:
             input_len=200,
             output_len=8,
             concurrencies=(1, 2),
-            max_total_tokens=4096,
+            # Enough KV bytes that the sparse pools, split for the profile's request length,
+            # still hold one request at its budget.
+            max_total_tokens=16384,
             mem_fraction_static=None,
             prompts_per_slot=1,
             min_prompts=2,
@@ -153,12 +159,8 @@ PROFILES: dict[str, Profile] = {
             output_len=500,
             concurrencies=(1, 4, 8, 16, 32),
             variants=(
-                Variant("project-b1536", ("--kvsparse-preset", "default",
-                                          "--kvsparse-full-layers", "0,1,2",
-                                          "--kvsparse-budget", "1536")),
-                Variant("project-b1024", ("--kvsparse-preset", "default",
-                                          "--kvsparse-full-layers", "0,1,2",
-                                          "--kvsparse-budget", "1024")),
+                Variant("project-b1536", (*NOVITA_SPARSITY, "--kvsparse-budget", "1536")),
+                Variant("project-b1024", (*NOVITA_SPARSITY, "--kvsparse-budget", "1024")),
             ),
             max_total_tokens=65536,
             mem_fraction_static=0.85,

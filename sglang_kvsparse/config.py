@@ -127,7 +127,7 @@ class SparsityConfig:
     sink: int = 4
     window: int = 32
     pool_kind: str = "max"
-    pool_kernel: int = 7
+    pool_kernel: int = 15
     evict_page: int = 16
     policy: str = "snapkv"
     pool_target_len: int | None = None

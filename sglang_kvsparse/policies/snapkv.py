@@ -20,7 +20,7 @@ class SnapKVPolicy(ScoringPolicy):
     """
 
     pool_kind: Literal["max", "avg"] = "max"
-    pool_kernel: int = 7
+    pool_kernel: int = 15
     name = "snapkv"
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:

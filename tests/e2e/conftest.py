@@ -36,7 +36,7 @@ EVICTING_BUDGET = 256
 EVICTING_ARGS = [
     "--dtype", "float32", "--max-total-tokens", "4096",
     "--kvsparse-full-layers", "0,1", "--kvsparse-budget", str(EVICTING_BUDGET),
-    "--kvsparse-config", '{"pool_target_len": 256}',
+    "--kvsparse-config", '{"pool_target_len": 256}', "--enable-metrics",
 ]
 RETRACTING_ENV = {"SGLANG_INIT_NEW_TOKEN_RATIO": "0.05"}
 

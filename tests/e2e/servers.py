@@ -87,6 +87,27 @@ class Server:
         response.raise_for_status()
         return response.json()
 
+    def abort_mid_stream(self, text: str, chunks: int) -> dict:
+        """Stream a long generation, disconnect after `chunks` chunks (which aborts the request),
+        and return the stats taken just before disconnecting."""
+        payload = {
+            "text": text,
+            "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True},
+            "stream": True,
+        }
+        with requests.post(f"{self.url}/generate", json=payload, stream=True, timeout=600) as response:
+            lines = (line for line in response.iter_lines() if line)
+            for _ in range(chunks):
+                next(lines)
+            return self.stats()
+
+    def idle_stats(self, timeout_s: float = 120) -> dict:
+        """The stats once no request runs (or after `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while (stats := self.stats())["requests_running"] and time.monotonic() < deadline:
+            time.sleep(1)
+        return stats
+
     def generate(self, text: str, max_new_tokens: int, **sampling) -> dict:
         payload = {
             "text": text,

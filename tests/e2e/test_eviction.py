@@ -21,9 +21,7 @@ EVICT_PAGE = 16  # SparsityConfig.evict_page default
 
 
 def _assert_idle_with_every_slot_back(server) -> dict:
-    deadline = time.monotonic() + 120
-    while (stats := server.stats())["requests_running"] and time.monotonic() < deadline:
-        time.sleep(1)
+    stats = server.idle_stats()
     assert stats["requests_running"] == 0
     for pool in stats["pools"]:
         assert pool["free_slots"] == pool["initial_free_slots"], pool
@@ -87,14 +85,16 @@ def test_retractions_forced_by_a_small_pool_return_every_slot(evicting_server):
 
 
 def test_aborted_stream_returns_every_slot(evicting_server):
-    payload = {
-        "text": long_prompt(4000),
-        "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True},
-        "stream": True,
-    }
-    with requests.post(f"{evicting_server.url}/generate", json=payload, stream=True, timeout=600) as response:
-        lines = (line for line in response.iter_lines() if line)
-        for _ in range(EVICTING_BUDGET):  # far enough to have evicted
-            next(lines)
-        assert evicting_server.stats()["requests_running"] == 1
+    stats = evicting_server.abort_mid_stream(long_prompt(4000), chunks=EVICTING_BUDGET)  # has evicted
+    assert stats["requests_running"] == 1
     _assert_idle_with_every_slot_back(evicting_server)
+
+
+def test_prometheus_gauges_sit_beside_sglangs(evicting_server):
+    evicting_server.generate(SHORT_PROMPTS[0], 8)  # a prefill makes the scheduler log its metrics
+    metrics = requests.get(f"{evicting_server.url}/metrics", timeout=60).text
+    assert "sglang:num_running_reqs{" in metrics
+    for name in ("kv_bytes_in_use", "kv_bytes_if_dense", "requests_running"):
+        assert f"sglang_kvsparse:{name}{{" in metrics, name
+    slots_total = [line for line in metrics.splitlines() if line.startswith("sglang_kvsparse:slots_total{")]
+    assert len(slots_total) == 30 and any('layer="29"' in line for line in slots_total)

@@ -6,11 +6,9 @@ nothing to evict, any difference from stock SGLang is a plumbing bug. Afterwards
 pool must be back to its initial free count (`/kvsparse/stats`).
 """
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
 
 from .prompts import SHORT_PROMPTS, long_prompt
 
@@ -46,19 +44,8 @@ def test_sparse_layers_with_full_budgets_match_stock(sparse_server, stock_server
 
 def test_aborted_streams_return_their_slots(sparse_server):
     """A client that disconnects mid-stream aborts its request; its slots must all come back."""
-    payload = {
-        "text": long_prompt(4000),
-        "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True},
-        "stream": True,
-    }
-    with requests.post(f"{sparse_server.url}/generate", json=payload, stream=True, timeout=600) as response:
-        chunks = response.iter_lines()
-        for _ in range(4):
-            next(chunks)
-        assert sparse_server.stats()["requests_running"] == 1
-    deadline = time.monotonic() + 120
-    while (stats := sparse_server.stats())["requests_running"] and time.monotonic() < deadline:
-        time.sleep(1)
+    assert sparse_server.abort_mid_stream(long_prompt(4000), chunks=4)["requests_running"] == 1
+    stats = sparse_server.idle_stats()
     assert stats["requests_running"] == 0
     for pool in stats["pools"]:
         assert pool["free_slots"] == pool["initial_free_slots"], pool
