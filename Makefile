@@ -21,7 +21,7 @@ test-kernels:
 test-integration:
 	$(PYTEST) tests/integration -q -m "integration"
 
-# Two runs: the shared servers of tests/e2e are stopped before the benchmark smoke test starts its own.
+# Two runs: the shared servers of tests/e2e are stopped before the benchmarks' checks start their own.
 test-e2e:
 	$(PYTEST) tests/e2e -q -m "e2e" --durations=10
 	$(PYTEST) tests/integration -q -m "e2e" --durations=5
