@@ -114,7 +114,7 @@ def load_kvpress(path: Path, prompts: list) -> dict[str, Any]:
         if theirs is None or theirs["answer"] != prompt.answer:
             raise SystemExit(f"{path} was not built from these prompts ({prompt.prompt_id}); "
                              "rerun bench/fidelity_kvpress.py")
-    return {"path": str(path), "kvpress": report["settings"]["kvpress"], "prompts": by_id}
+    return {"path": path.name, "kvpress": report["settings"]["kvpress"], "prompts": by_id}
 
 
 def accuracy(report: dict[str, Any], kvpress: dict[str, Any] | None) -> dict[str, Any]:
