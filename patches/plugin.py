@@ -55,7 +55,13 @@ def _checked_targets() -> tuple[str, ...]:
     """Hooked targets whose absence `memory.size_pools` reports (it runs inside the first one)."""
     from . import admission, memory, observability
 
-    return (memory.POOL_CLASS_TARGET, memory.TARGET, admission.TARGET, observability.TARGET)
+    return (
+        memory.POOL_CLASS_TARGET,
+        memory.TARGET,
+        admission.TARGET,
+        observability.TARGET,
+        observability.METRICS_TARGET,
+    )
 
 
 def unpatched(targets: tuple[str, ...]) -> list[str]:
