@@ -269,6 +269,10 @@ class SparseState:
     def _running_rows(self) -> list[int]:
         return self.maps[0].active_rows() if self.maps else []
 
+    def _full_tokens_in_use(self, rows: list[int]) -> int:
+        """SGLang's pool tokens the running `rows` hold (every token, rounded to pages)."""
+        return sum(round_up(self.logical[row], self.page_size) for row in rows)
+
     def kv_bytes(self) -> tuple[int, int]:
         """(bytes the running requests hold, bytes stock SGLang would hold for them).
 
@@ -276,7 +280,7 @@ class SparseState:
         """
         rows = self._running_rows()
         resolved, page = self.resolved, self.page_size
-        full_tokens = sum(round_up(self.logical[row], page) for row in rows)
+        full_tokens = self._full_tokens_in_use(rows)
         sparse_slots = {layer: self.maps[group].pool.slots_in_use() for layer, group in self.group_of.items()}
         in_use = kv_bytes_in_use(full_tokens, sparse_slots, resolved, self.bytes_per_token, self.slot_bytes)
         dense = sum(dense_kv_bytes(self.logical[row], resolved.num_layers, self.bytes_per_token, page) for row in rows)
@@ -285,7 +289,7 @@ class SparseState:
     def stats(self) -> dict:
         """Per-layer slot use and bytes, for `/kvsparse/stats`, the metrics and the tests."""
         layers = []
-        full_in_use = sum(round_up(self.logical[row], self.page_size) for row in self._running_rows())
+        full_in_use = self._full_tokens_in_use(self._running_rows())
         for layer, (kind, budget) in enumerate(zip(self.resolved.kinds, self.resolved.budgets)):
             if kind == "sparse":
                 pool = self.maps[self.group_of[layer]].pool

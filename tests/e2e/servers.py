@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
@@ -107,6 +108,12 @@ class Server:
         while (stats := self.stats())["requests_running"] and time.monotonic() < deadline:
             time.sleep(1)
         return stats
+
+    def generate_all(self, texts: list[str], max_new_tokens: int) -> list[dict]:
+        """Greedy generations sent concurrently, as a production server sees them (batched
+        prefills and decodes of unequal rows); results in the order of `texts`."""
+        with ThreadPoolExecutor(len(texts)) as pool:
+            return list(pool.map(lambda text: self.generate(text, max_new_tokens), texts))
 
     def generate(self, text: str, max_new_tokens: int, **sampling) -> dict:
         payload = {

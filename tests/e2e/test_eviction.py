@@ -56,8 +56,7 @@ def test_sparse_layers_hold_at_most_budget_plus_a_page_while_decoding(evicting_s
 
 def test_short_requests_below_the_budget_match_stock(evicting_server, stock_server):
     """Nothing is evicted from a sequence shorter than the budget, so greedy output is stock's."""
-    with ThreadPoolExecutor(len(SHORT_PROMPTS)) as pool:
-        ours = list(pool.map(lambda p: evicting_server.generate(p, 32), SHORT_PROMPTS))
+    ours = evicting_server.generate_all(SHORT_PROMPTS, 32)
     for prompt, mine in zip(SHORT_PROMPTS, ours):
         assert mine["output_ids"] == stock_server.generate(prompt, 32)["output_ids"], prompt
 

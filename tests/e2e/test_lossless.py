@@ -6,8 +6,6 @@ nothing to evict, any difference from stock SGLang is a plumbing bug. Afterwards
 pool must be back to its initial free count (`/kvsparse/stats`).
 """
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from .prompts import SHORT_PROMPTS, long_prompt
@@ -17,18 +15,12 @@ pytestmark = pytest.mark.e2e
 MAX_NEW_TOKENS = 24
 
 
-def _outputs(server, prompts):
-    # Concurrent, so the sparse path sees batched prefills and decodes of unequal rows.
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda p: server.generate(p, MAX_NEW_TOKENS), prompts))
-
-
 def test_sparse_layers_with_full_budgets_match_stock(sparse_server, stock_server):
     before = sparse_server.stats()
     assert before["enabled"] and [row["layer"] for row in before["layers"] if row["kind"] == "full"] == [0, 1]
     prompts = [*SHORT_PROMPTS, long_prompt(10000)]
-    ours = _outputs(sparse_server, prompts)
-    stock = _outputs(stock_server, prompts)
+    ours = sparse_server.generate_all(prompts, MAX_NEW_TOKENS)
+    stock = stock_server.generate_all(prompts, MAX_NEW_TOKENS)
     assert max(o["meta_info"]["prompt_tokens"] for o in ours) > 2000
     for prompt, mine, theirs in zip(prompts, ours, stock):
         assert len(mine["output_ids"]) > 0
