@@ -5,12 +5,15 @@ prefill batch, one `PrefillAdder` per round. Before SGLang's own checks (full-po
 slots) the request must fit the sparse pools (`sglang_kvsparse.admission.SparseAdmission`, created
 on the adder's first call from its running batch); when it does not, the answer is SGLang's own
 "no room" (`AddReqResult.NO_TOKEN`), so the request waits in the queue as it would in stock SGLang.
+A request with a radix-cache hit is also charged the prefix store pages it pins (its prefill reads
+them).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from sglang.srt.managers.schedule_policy import AddReqResult
 
 from sglang_kvsparse.admission import SparseAdmission
@@ -39,10 +42,18 @@ def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any
         round_ = SparseAdmission(state, rows)
         setattr(adder, _ROUND, round_)
     need = final_len(req, context_len)
-    if not round_.fits(need):
+    prefix = prefix_ids(adder.tree_cache, req)
+    if not round_.fits(need, prefix):
         return AddReqResult.NO_TOKEN
     admitted_before = len(adder.can_run_list)
     result = original(adder, req, *args, **kwargs)
     if len(adder.can_run_list) > admitted_before:
-        round_.reserve(need)
+        round_.reserve(need, prefix)
     return result
+
+
+def prefix_ids(tree_cache: Any, req: Any) -> torch.Tensor | None:
+    """SGLang's full-pool ids of the request's matched prefix (CPU), None without a match."""
+    if not req.prefix_len or not memory.STATE.stores:
+        return None
+    return tree_cache.prefix_device_indices(req).to("cpu")

@@ -67,10 +67,13 @@ class KVSparseBackend(AttentionBackend):
         if mode.is_idle():
             self._plan = None
         elif mode.is_decode():
-            self._plan = self.state.plan_decode(rows)
+            self._plan = self.state.plan_decode(rows, forward_batch.out_cache_loc)
         elif mode.is_extend() and not mode.is_mixed() and not mode.is_target_verify():
+            prefix_lens = [int(n) for n in forward_batch.extend_prefix_lens_cpu]
+            table = self.req_to_token_pool.req_to_token
+            prefix_ids = [table[row, :n] for row, n in zip(rows, prefix_lens)]
             self._plan = self.state.plan_extend(
-                rows, list(forward_batch.extend_prefix_lens_cpu), list(forward_batch.extend_seq_lens_cpu)
+                rows, prefix_lens, list(forward_batch.extend_seq_lens_cpu), prefix_ids, forward_batch.out_cache_loc
             )
         else:
             raise NotImplementedError(f"kvsparse: forward mode {mode} is not supported with sparse layers")

@@ -19,7 +19,6 @@ Three hooks, in the order SGLang runs them while `ModelRunner.alloc_memory_pool`
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from typing import Any
 
@@ -164,6 +163,7 @@ def make_attach_state(config: SparsityConfig):
             dense_capacity=runner.token_to_kv_pool_allocator.size,
             page_size=runner.page_size,
             device=k0.device,
+            prefix_cache=not get_server_args().disable_radix_cache,
         )
         runner.req_to_token_pool.attach_aux_cache(state)
         STATE = state
@@ -197,8 +197,6 @@ def check_guards(other_targets: tuple[str, ...]) -> None:
 
     args = get_server_args()
     problems = []
-    if os.environ.get("SGLANG_RADIX_FORCE_MISS") not in ("1", "true", "True"):
-        problems.append("SGLANG_RADIX_FORCE_MISS=1 must be set (prefix reuse is not supported yet)")
     if (getattr(args, "chunked_prefill_size", None) or -1) > 0 or getattr(args, "enable_mixed_chunk", False):
         problems.append("chunked prefill is not supported with layer-wise sparsity yet; use --chunked-prefill-size -1")
     if getattr(args, "tp_size", 1) != 1 or getattr(args, "dp_size", 1) != 1 or getattr(args, "pp_size", 1) != 1:

@@ -31,6 +31,8 @@ GAUGES: dict[str, tuple[str, bool]] = {
     "requests_running": ("Requests holding KV slots", False),
     "slots_in_use": ("KV slots in use, per layer (full layers: the running requests' tokens)", True),
     "slots_total": ("KV slots per layer", True),
+    "prefix_cache_slots": ("Slots of a sparse layer holding cached prefixes' K/V (evictable)", True),
+    "prefix_tokens_reused": ("Prompt tokens whose sparse-layer K/V came from the prefix cache", False),
 }
 
 _gauges: dict[str, object] = {}
@@ -56,7 +58,8 @@ def set_gauges(result: Any, collector: Any, *args: Any, **kwargs: Any) -> None:
     for name, (_, per_layer) in GAUGES.items():
         if per_layer:
             for layer in stats["layers"]:
-                _gauges[name].labels(**labels, layer=str(layer["layer"])).set(layer[name])
+                if name in layer:  # full layers have no prefix store
+                    _gauges[name].labels(**labels, layer=str(layer["layer"])).set(layer[name])
         else:
             _gauges[name].labels(**labels).set(stats[name])
 

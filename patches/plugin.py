@@ -36,7 +36,7 @@ def load() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from . import admission, attention, memory, observability
+    from . import admission, attention, memory, observability, prefix
 
     attention.install()
     hooks = [
@@ -44,6 +44,7 @@ def load() -> None:
         (memory.POOL_CLASS_TARGET, memory.make_pool_class(config), HookType.AROUND),
         (memory.TARGET, memory.make_attach_state(config), HookType.AFTER),
         (admission.TARGET, admission.admit, HookType.AROUND),
+        (prefix.TARGET, prefix.cap_match, HookType.AROUND),
         (observability.TARGET, observability.add_stats, HookType.AFTER),
         (observability.METRICS_TARGET, observability.set_gauges, HookType.AFTER),
     ]
@@ -53,12 +54,13 @@ def load() -> None:
 
 def _checked_targets() -> tuple[str, ...]:
     """Hooked targets whose absence `memory.size_pools` reports (it runs inside the first one)."""
-    from . import admission, memory, observability
+    from . import admission, memory, observability, prefix
 
     return (
         memory.POOL_CLASS_TARGET,
         memory.TARGET,
         admission.TARGET,
+        prefix.TARGET,
         observability.TARGET,
         observability.METRICS_TARGET,
     )

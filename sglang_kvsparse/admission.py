@@ -6,6 +6,8 @@ most: min(final length, max_entries) entries, where the final length is its prom
 max_new_tokens. Running requests are charged what they may still grow by, so a decode step never
 finds a sparse pool empty: the sparse pools are never over-committed, and only SGLang's own full
 pool can run short (then SGLang retracts, as in stock, and the retracted row's slots come back).
+Pages the prefix store borrowed count as free, except those a request admitted in this round will
+read (its matched prefix), which are pinned until the step is over.
 
 `patches/admission.py` builds one `SparseAdmission` per SGLang `PrefillAdder` (one round) and asks
 it before each candidate request.
@@ -15,16 +17,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+
 from sglang_kvsparse.sparse_state import SparseState
 
 
 class SparseAdmission:
-    """Pages each sparse group can still promise to new requests in this round."""
+    """Pages each sparse group can still promise to new requests in this round.
+
+    A group's pages are its free ones plus the prefix store's evictable ones (the store gives
+    them back on demand). A request that reuses a cached prefix also pins the prefix's store
+    pages for this step, so those stop counting as evictable.
+    """
 
     def __init__(self, state: SparseState, running: Iterable[tuple[int, int]]) -> None:
         """`running`: (row, final length) of every request that holds sparse slots now."""
         self.state = state
-        self.free_pages = [index_map.pool.available_pages() for index_map in state.maps]
+        state.begin_round()
+        self.free_pages = [state.available_pages(group) for group in range(len(state.maps))]
         for row, final_len in running:
             growth = [
                 max(need - held, 0)
@@ -33,11 +43,21 @@ class SparseAdmission:
             self.free_pages = [free - g for free, g in zip(self.free_pages, growth)]
         self.admitted = 0
 
-    def fits(self, final_len: int) -> bool:
-        """Whether a new request that may reach `final_len` tokens fits every sparse group."""
-        return all(need <= free for need, free in zip(self.state.pages_to_hold(final_len), self.free_pages))
+    def fits(self, final_len: int, prefix_ids: torch.Tensor | None = None) -> bool:
+        """Whether a new request that may reach `final_len` tokens, reusing the cached prefix
+        `prefix_ids` (SGLang's full-pool ids) if any, fits every sparse group."""
+        return all(need <= free for need, free in zip(self._charge(final_len, prefix_ids), self.free_pages))
 
-    def reserve(self, final_len: int) -> None:
-        """Charge an admitted request (call only after `fits` said yes)."""
-        self.free_pages = [free - need for free, need in zip(self.free_pages, self.state.pages_to_hold(final_len))]
+    def reserve(self, final_len: int, prefix_ids: torch.Tensor | None = None) -> None:
+        """Charge an admitted request and pin its prefix (call only after `fits` said yes)."""
+        charge = self._charge(final_len, prefix_ids)
+        self.free_pages = [free - need for free, need in zip(self.free_pages, charge)]
+        if prefix_ids is not None:
+            self.state.pin_prefix(prefix_ids)
         self.admitted += 1
+
+    def _charge(self, final_len: int, prefix_ids: torch.Tensor | None) -> list[int]:
+        rows = self.state.pages_to_hold(final_len)
+        if prefix_ids is None:
+            return rows
+        return [r + p for r, p in zip(rows, self.state.prefix_pages_to_pin(prefix_ids))]

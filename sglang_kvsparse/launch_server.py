@@ -16,7 +16,6 @@ import sys
 from sglang_kvsparse.config import SparsityConfigError
 from sglang_kvsparse.models import ModelUnavailableError, ensure_default_model
 from sglang_kvsparse.options import (
-    RADIX_FORCE_MISS_ENV,
     add_sparsity_arguments,
     export_to_processes,
     sparse_sglang_defaults,
@@ -110,7 +109,7 @@ def build_sglang_argv(argv: list[str]) -> list[str]:
     sglang_argv += as_cli_flags(needed)
     if config.enabled:
         added = " ".join(as_cli_flags(needed))
-        _say(f"sparse layers: prefix reuse off ({RADIX_FORCE_MISS_ENV}=1, radix tree kept); added: {added or 'nothing'}")
+        _say(f"sparse layers: added {added or 'nothing'}")
 
     if not gpu_available():
         enable_cpu_engine()

@@ -27,9 +27,6 @@ GPU_SPARSE_OPTIONS: dict[str, object] = {
     "cuda_graph_backend_prefill": "disabled",
 }
 
-#: SGLang's switch that makes every radix-cache lookup a miss (set with sparsity on).
-RADIX_FORCE_MISS_ENV = "SGLANG_RADIX_FORCE_MISS"
-
 #: Preset used when no sparsity option is given (the launcher prints it at start-up): layers 0 and
 #: 1 full, 1,024 entries in the others (config.PRESETS; docs/config.md says why).
 LAUNCHER_DEFAULT_PRESET = "default"
@@ -81,14 +78,9 @@ def validate_for_model(config: SparsityConfig, shape: ModelShape | None) -> None
 
 
 def export_to_processes(config: SparsityConfig) -> None:
-    """Hand the configuration to every SGLang process, or clear it when sparsity is off.
-
-    With sparsity on, SGLang's own switch `RADIX_FORCE_MISS_ENV` turns prefix reuse off (the
-    radix tree stays on): a cached prefix has no sparse-layer K/V to reuse yet.
-    """
+    """Hand the configuration to every SGLang process, or clear it when sparsity is off."""
     if config.enabled:
         os.environ[CONFIG_ENV] = json.dumps(config.to_dict())
-        os.environ[RADIX_FORCE_MISS_ENV] = "1"
     else:
         os.environ.pop(CONFIG_ENV, None)
 
@@ -100,11 +92,10 @@ def sparse_sglang_defaults(config: SparsityConfig, given: dict[str, object], *, 
     so it is turned off, and a user value that turns it on is refused. Without chunking, SGLang
     reserves 1.5 MB of activations per prefill token (16k tokens: more than a small machine has)
     when it derives --mem-fraction-static, so on the CPU, where --max-total-tokens bounds the KV
-    pool anyway, a fixed fraction is given instead. On a GPU, overlap scheduling (the next step's
-    slot allocation would race the running forward) and CUDA graphs (sparse metadata is rebuilt in
-    Python every step) are turned off (`GPU_SPARSE_OPTIONS`). Overlap scheduling (the next step's
-    slot allocation, which may evict, would run beside the current forward) is turned off on both:
-    SGLang 0.5.23 keeps it on for the CPU too.
+    pool anyway, a fixed fraction is given instead. Overlap scheduling (the next step's slot
+    allocation, which may evict, would run beside the current forward) is turned off on every
+    device: SGLang 0.5.23 keeps it on for the CPU too. On a GPU, CUDA graphs (sparse metadata is
+    rebuilt in Python every step) are turned off as well (`GPU_SPARSE_OPTIONS`).
     """
     if not config.enabled:
         return {}

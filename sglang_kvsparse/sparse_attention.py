@@ -25,43 +25,65 @@ def sparse_extend(
     buffers: LayerBuffers,
     policy: ScoringPolicy,
 ) -> torch.Tensor:
-    """Prefill without a cached prefix: attend over the batch's own K/V, then store what is kept.
+    """Prefill: attend over each request's whole sequence, then store what is kept.
 
-    The batch's `k`/`v` ([T, H_kv, D]) serve as the key buffer (kv_indices = arange(T)), so the
-    attention needs no scratch and does not depend on the layer's slots. When every row fits its
-    budget all tokens are stored with zero scores; otherwise `policy` scores the keys (SnapKV: the
-    observation window's attention, pooled), `select_kept` keeps sink + window + the best up to
+    The keys are the batch's own `k`/`v` ([T, H_kv, D]), preceded per request by its cached
+    prefix's entries from the prefix store when it has one (`sequence_kv`). When every row fits
+    its budget all entries are stored with zero scores; otherwise `policy` scores the keys (SnapKV:
+    the observation window's attention, pooled), `select_kept` keeps sink + window + the best up to
     the budget per KV head, and the kept K/V and scores are scattered into the row's slots.
-    Returns [T, H_q, D].
+    Either way the prefix was read, not written: the row gets copies. The new tokens' K/V also go
+    to their store slots, for later requests that share this prompt. Returns [T, H_q, D].
     """
-    positions = torch.arange(k.shape[0], device=k.device, dtype=torch.int64)
+    k_all, v_all, kv_indptr = sequence_kv(k, v, plan, group, buffers)
+    positions = torch.arange(k_all.shape[0], device=k.device, dtype=torch.int64)
     o, lse = kernels.extend_attention_with_stats(
-        q, k, v, plan.qo_indptr, plan.qo_indptr, positions, sm_scale, with_stats=group.compress
+        q, k_all, v_all, plan.qo_indptr, kv_indptr, positions, sm_scale, with_stats=group.compress
     )
+    if group.store_slots is not None and group.store_slots.numel():
+        stored = group.store_slots.numel()
+        _store(buffers, group.store_slots, k[:stored], v[:stored])
     if not group.compress:
-        _store(buffers, group.new_slots, k, v)
+        _store(buffers, group.new_slots, k_all, v_all)
         return o
-    inputs = PrefillScoringInputs(q, k, lse, plan.qo_indptr, plan.qo_indptr, positions, sm_scale, plan.window)
+    inputs = PrefillScoringInputs(q, k_all, lse, plan.qo_indptr, kv_indptr, positions, sm_scale, plan.window)
     scores = policy.score(inputs)
-    kept, kept_lens = kernels.select_kept(scores, plan.qo_indptr, group.budget, plan.sink, plan.window)
-    src = kept_sources(kept, kept_lens, plan.qo_indptr)
+    kept, kept_lens = kernels.select_kept(scores, kv_indptr, group.budget, plan.sink, plan.window)
+    src = kept_sources(kept, kept_lens, kv_indptr)
     heads = torch.arange(k.shape[1], device=k.device)[None, :]
     dst = group.new_slots[:, None]
-    buffers.k[dst, heads] = k[src, heads].to(buffers.k.dtype)
-    buffers.v[dst, heads] = v[src, heads].to(buffers.v.dtype)
+    buffers.k[dst, heads] = k_all[src, heads].to(buffers.k.dtype)
+    buffers.v[dst, heads] = v_all[src, heads].to(buffers.v.dtype)
     buffers.scores[dst, heads] = scores[src, heads]
     return o
 
 
-def kept_sources(kept: torch.Tensor, kept_lens: torch.Tensor, qo_indptr: torch.Tensor) -> torch.Tensor:
-    """Batch token index of each kept entry, [sum(kept_lens), H_kv], request-major.
+def sequence_kv(
+    k: torch.Tensor, v: torch.Tensor, plan: ForwardPlan, group: GroupPlan, buffers: LayerBuffers
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each request's keys and values in sequence order (cached prefix, then its new tokens),
+    request-major, and their boundaries. Without prefixes that is the batch's own `k`/`v`."""
+    if plan.prefix_positions is None:
+        return k, v, plan.qo_indptr
+    total = plan.prefix_positions.numel() + k.shape[0]
+    k_all = k.new_empty((total, *k.shape[1:]))
+    v_all = v.new_empty((total, *v.shape[1:]))
+    k_all[plan.new_positions] = k
+    v_all[plan.new_positions] = v
+    k_all[plan.prefix_positions] = buffers.k[group.prefix_slots].to(k.dtype)
+    v_all[plan.prefix_positions] = buffers.v[group.prefix_slots].to(v.dtype)
+    return k_all, v_all, plan.kv_indptr
+
+
+def kept_sources(kept: torch.Tensor, kept_lens: torch.Tensor, kv_indptr: torch.Tensor) -> torch.Tensor:
+    """Sequence index of each kept entry, [sum(kept_lens), H_kv], request-major.
 
     `kept` [B, H_kv, n] holds positions within each request (padded with -1 past kept_lens[b]);
-    entry j of request b, head h, comes from token qo_indptr[b] + kept[b, h, j].
+    entry j of request b, head h, comes from key kv_indptr[b] + kept[b, h, j].
     """
     parts = [
         kept[b, :, : int(n)].T + int(start)
-        for b, (n, start) in enumerate(zip(kept_lens.tolist(), qo_indptr[:-1].tolist()))
+        for b, (n, start) in enumerate(zip(kept_lens.tolist(), kv_indptr[:-1].tolist()))
     ]
     return torch.cat(parts) if parts else kept.new_empty(0, kept.shape[1])
 

@@ -17,12 +17,19 @@ per step; when it holds `max_entries` (budget + evict_page) the step first evict
 back to `budget` entries here, at allocation time, and the forward (`sparse_attention.sparse_decode`)
 moves the `budget` best-scored of the old entries into the kept positions before it writes the new
 token. So a row never holds more than budget + one eviction page, however long the output.
-Prefix reuse is refused with an error.
+
+Prefix reuse: with SGLang's radix cache on, each group also has a `PrefixStore`, which keeps the
+uncompressed sparse-layer K/V of prompt tokens in free pages of the group's pool (evicted, least
+recently used first, whenever rows need the pages). A prefill whose request matched a cached
+prefix reads the prefix's K/V from there, so it attends, scores and selects exactly as without
+the hit, and copies what it keeps into the row's own slots. Pages a step's prefill reads are
+pinned from admission until the step is over (`begin_round`, or the next decode allocation).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +38,7 @@ from sglang_kvsparse.accounting import dense_kv_bytes, kv_bytes_in_use, kv_bytes
 from sglang_kvsparse.config import ResolvedSparsity
 from sglang_kvsparse.index_map import IndexMapError, LayerIndexMap, SlotPool, SlotPoolExhausted, round_up
 from sglang_kvsparse.policies import build_policy
+from sglang_kvsparse.prefix_store import PrefixStore
 
 
 def score_bytes_per_slot(num_kv_heads: int) -> int:
@@ -47,6 +55,9 @@ class GroupPlan:
     `compress` (a prefill row longer than the budget) tell the prefill whether to select.
     `evict_slots` (decode): [N, max_entries] old slots, in position order, of the N rows that
     evict this step; the forward keeps `budget` of them in the first `budget` slots.
+    Prefill with the prefix store: `prefix_slots` (the matched prefixes' store slots,
+    request-major, aligned with `ForwardPlan.prefix_positions`) and `store_slots` (where the
+    batch's first `len(store_slots)` new tokens are stored for later hits).
     """
 
     kv_indptr: torch.Tensor
@@ -55,16 +66,27 @@ class GroupPlan:
     budget: int = 0
     compress: bool = False
     evict_slots: torch.Tensor | None = None
+    prefix_slots: torch.Tensor | None = None
+    store_slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    """Everything a sparse layer's forward needs beyond its own buffers."""
+    """Everything a sparse layer's forward needs beyond its own buffers.
+
+    A prefill attends over each request's whole sequence, prefix then new tokens, laid out
+    request-major with boundaries `kv_indptr` (`qo_indptr` when no request has a prefix).
+    `prefix_positions`/`new_positions` say where the prefixes' store entries and the batch's new
+    tokens go in that layout (None when no request has a prefix).
+    """
 
     qo_indptr: torch.Tensor
     groups: tuple[GroupPlan, ...]
     sink: int = 0
     window: int = 0
+    kv_indptr: torch.Tensor | None = None
+    prefix_positions: torch.Tensor | None = None
+    new_positions: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +117,10 @@ class SparseState:
         dense_capacity: int,
         page_size: int = 1,
         device: str | torch.device = "cpu",
+        prefix_cache: bool = False,
     ) -> None:
+        """`dense_capacity`: SGLang's full-pool tokens (its ids are 1..dense_capacity + a page).
+        `prefix_cache`: keep prompt tokens' K/V for radix-tree hits (SGLang's cache is on)."""
         self.resolved = resolved
         self.policy = build_policy(resolved.config)
         self.dense_capacity = dense_capacity
@@ -123,8 +148,11 @@ class SparseState:
                 v=torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=self.device),
                 scores=torch.zeros(rows, num_kv_heads, dtype=torch.float32, device=self.device),
             )
+        self.stores = [PrefixStore(m.pool, dense_capacity + page_size) for m in self.maps] if prefix_cache else []
         self.initial_free_slots = [m.pool.available_slots() for m in self.maps]
         self.requests_running_peak = 0
+        self.prefix_hits = 0  # prefills that reused a cached prefix
+        self.prefix_tokens_reused = 0
         self.logical = [0] * max_requests  # each row's sequence length (its entries may be fewer)
         # Per group: row -> its slots before the eviction alloc_to_lengths made, until the next
         # decode forward moves the survivors (plan_decode hands them over).
@@ -144,9 +172,12 @@ class SparseState:
         """
         rows = [int(r) for r in req_pool_indices_cpu.tolist()]
         targets = [int(n) for n in target_seq_lens_cpu.tolist()]
-        for group in range(len(self.maps)):
-            self._check_growth(group, rows, targets)
+        if self.maps and all(self.maps[0].is_active(row) for row in rows):
+            self._unpin()  # a decode step: the prefill that read the pinned pages is over
+        needs = [self._check_growth(group, rows, targets) for group in range(len(self.maps))]
         for group, (index_map, budget) in enumerate(zip(self.maps, self.budgets)):
+            if self.stores:
+                self.stores[group].reclaim(needs[group])
             growing = []
             for row, n in zip(rows, targets):
                 if not index_map.is_active(row):
@@ -161,8 +192,9 @@ class SparseState:
             self.logical[row] = n
         self.requests_running_peak = max(self.requests_running_peak, self.requests_running())
 
-    def _check_growth(self, group: int, rows: list[int], targets: list[int]) -> None:
-        """Raise, changing nothing, unless `alloc_to_lengths` can serve every row in `group`."""
+    def _check_growth(self, group: int, rows: list[int], targets: list[int]) -> int:
+        """The pages `alloc_to_lengths` needs in `group`; raises, changing nothing, unless the
+        group's free pages and the store's evictable ones cover them."""
         index_map, budget, page = self.maps[group], self.budgets[group], self.page_size
         pages = 0
         for row, n in zip(rows, targets):
@@ -179,11 +211,12 @@ class SparseState:
             held = index_map.length(row)
             kept = budget if held == index_map.max_entries else held
             pages += round_up(kept + 1, page) // page - round_up(held, page) // page
-        if pages > index_map.pool.available_pages():
+        if pages > self.available_pages(group):
             raise SlotPoolExhausted(
-                f"sparse pool needs {pages} pages, {index_map.pool.available_pages()} free: "
+                f"sparse pool needs {pages} pages, {self.available_pages(group)} free or evictable: "
                 "admission let in more than fits"
             )
+        return pages
 
     def free(self, row: int) -> None:
         """Release the row's slots in every group; a row that never got any is a no-op."""
@@ -196,11 +229,41 @@ class SparseState:
     def clear(self) -> None:
         for row in range(len(self.logical)):
             self.free(row)
+        for store in self.stores:
+            store.clear()
 
     def reset_allocator(self) -> None:
         self.clear()
 
     # -- admission (see sglang_kvsparse.admission) --------------------------------------------
+    def available_pages(self, group: int) -> int:
+        """Pages of the group a request can be given: free ones and the store's evictable ones."""
+        store = self.stores[group].evictable_pages() if self.stores else 0
+        return self.maps[group].pool.available_pages() + store
+
+    def begin_round(self) -> None:
+        """A new scheduling round: the previous step's forward is over, unpin its prefixes."""
+        self._unpin()
+
+    def prefix_pages_to_pin(self, prefix_ids: torch.Tensor) -> list[int]:
+        """Per group, the evictable store pages a request reusing `prefix_ids` would pin."""
+        return [store.unpinned_pages_of(prefix_ids) for store in self.stores] or [0] * len(self.maps)
+
+    def pin_prefix(self, prefix_ids: torch.Tensor) -> None:
+        """Keep the prefix's store pages until the step that reads them is over."""
+        for store in self.stores:
+            store.pin(prefix_ids)
+
+    def reusable_prefix_len(self, prefix_ids: torch.Tensor, seq_len: int) -> int:
+        """How much of a radix match of `prefix_ids` a prefill of `seq_len` tokens can reuse:
+        the leading ids with store entries in every group, leaving the last `window` tokens (the
+        observation window) to the prefill, whole pages only. 0 without a store."""
+        if not self.stores:
+            return 0
+        valid = min(store.valid_prefix_len(prefix_ids) for store in self.stores)
+        usable = max(min(valid, seq_len - self.resolved.config.window), 0)
+        return usable - usable % self.page_size
+
     def pages_to_hold(self, final_len: int) -> list[int]:
         """Per group, the most pages a request that reaches `final_len` tokens ever holds."""
         return [
@@ -219,31 +282,87 @@ class SparseState:
     def is_sparse(self, layer: int) -> bool:
         return layer in self.group_of
 
-    def plan_extend(self, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> ForwardPlan:
-        """Plan a prefill: every row is new and its slots receive min(length, budget) kept tokens."""
-        if any(prefix_lens):
+    def plan_extend(
+        self,
+        rows: Sequence[int],
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        prefix_ids: Sequence[torch.Tensor] = (),
+        new_ids: torch.Tensor | None = None,
+    ) -> ForwardPlan:
+        """Plan a prefill: every row is new and its slots receive min(length, budget) kept
+        entries of its whole sequence (cached prefix + new tokens).
+
+        With the prefix store, `prefix_ids` (per row, SGLang's full-pool ids of its matched
+        prefix) and `new_ids` (the batch's new tokens' ids, request-major) are required: the new
+        ids' old entries are invalidated, the prefixes' store slots looked up (they were pinned at
+        admission, so they are there), and the new tokens get store slots where the pool has room.
+        """
+        prefix_lens = [int(n) for n in prefix_lens]
+        extend_lens = [int(n) for n in extend_lens]
+        if any(prefix_lens) and not self.stores:
             raise IndexMapError(
-                "an extend with a cached prefix reached a sparse layer: prefix reuse and chunked "
-                "prefill must be off (SGLANG_RADIX_FORCE_MISS=1, --chunked-prefill-size -1)"
+                "an extend with a cached prefix reached a sparse layer without a prefix store: "
+                "chunked prefill must be off (--chunked-prefill-size -1)"
             )
         self.forward_plans += 1
-        qo_indptr = _indptr(extend_lens)
+        self.prefix_hits += sum(1 for n in prefix_lens if n)
+        self.prefix_tokens_reused += sum(prefix_lens)
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        new_cpu = None if new_ids is None else new_ids.to("cpu", torch.int64)
         groups = []
-        for index_map, budget in zip(self.maps, self.budgets):
+        for group, (index_map, budget) in enumerate(zip(self.maps, self.budgets)):
             lengths = [index_map.length(row) for row in rows]
-            kept = [min(int(n), budget) for n in extend_lens]
+            kept = [min(n, budget) for n in seq_lens]
             if lengths != kept:
                 raise IndexMapError(f"sparse rows hold {lengths} entries for a prefill keeping {kept}")
             indices = self._indices(index_map, rows)
-            compress = any(int(n) > budget for n in extend_lens)
-            groups.append(GroupPlan(self._to_device(_indptr(lengths)), indices, indices, budget, compress))
+            compress = any(n > budget for n in seq_lens)
+            prefix_slots = store_slots = None
+            if self.stores:
+                prefix_slots, store_slots = self._use_store(self.stores[group], rows, prefix_ids, new_cpu)
+            groups.append(
+                GroupPlan(self._to_device(_indptr(lengths)), indices, indices, budget, compress,
+                          prefix_slots=prefix_slots, store_slots=store_slots)
+            )
         config = self.resolved.config
-        return ForwardPlan(self._to_device(qo_indptr), tuple(groups), config.sink, config.window)
+        plan = ForwardPlan(self._to_device(_indptr(extend_lens)), tuple(groups), config.sink, config.window)
+        if not any(prefix_lens):
+            return plan
+        kv_indptr = _indptr(seq_lens)
+        prefix_positions = torch.cat([torch.arange(n) + start for n, start in zip(prefix_lens, kv_indptr)])
+        new_positions = torch.cat([torch.arange(e) + start + p for p, e, start in zip(prefix_lens, extend_lens, kv_indptr)])
+        return dataclasses.replace(
+            plan,
+            kv_indptr=self._to_device(kv_indptr),
+            prefix_positions=self._to_device(prefix_positions),
+            new_positions=self._to_device(new_positions),
+        )
 
-    def plan_decode(self, rows: Sequence[int]) -> ForwardPlan:
+    def _use_store(
+        self, store: PrefixStore, rows: Sequence[int], prefix_ids: Sequence[torch.Tensor], new_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the prefixes' store slots, the new tokens' store slots) of one group, on the device."""
+        if new_ids is None or len(prefix_ids) != len(rows):
+            raise IndexMapError("a prefill with the prefix store needs every row's prefix ids and the new ids")
+        store.invalidate(new_ids)
+        parts = [store.lookup(ids.to("cpu")) for ids in prefix_ids]
+        prefix_slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        if bool((prefix_slots == 0).any()):
+            raise IndexMapError("a matched prefix lost its store entries before its prefill (not pinned?)")
+        store.touch(prefix_slots)
+        return self._to_device(prefix_slots), self._to_device(store.put(new_ids))
+
+    def plan_decode(self, rows: Sequence[int], new_ids: torch.Tensor | None = None) -> ForwardPlan:
         """Plan a decode step: each row's newest slot (appended by alloc) takes the new token,
-        and the rows that alloc cut back to the budget get their eviction (`evict_slots`)."""
+        and the rows that alloc cut back to the budget get their eviction (`evict_slots`).
+        `new_ids` (SGLang's full-pool ids of the new tokens) lose their old store entries."""
         self.forward_plans += 1
+        if self.stores:
+            if new_ids is None:
+                raise IndexMapError("a decode with the prefix store needs the new tokens' ids")
+            for store in self.stores:
+                store.invalidate(new_ids.to("cpu"))
         groups = []
         for index_map, budget, evictions in zip(self.maps, self.budgets, self._evictions):
             lengths = [index_map.length(row) for row in rows]
@@ -261,6 +380,10 @@ class SparseState:
 
     def group_plan(self, plan: ForwardPlan, layer: int) -> GroupPlan:
         return plan.groups[self.group_of[layer]]
+
+    def _unpin(self) -> None:
+        for store in self.stores:
+            store.unpin_all()
 
     # -- observability -----------------------------------------------------------------------
     def requests_running(self) -> int:
@@ -281,10 +404,17 @@ class SparseState:
         rows = self._running_rows()
         resolved, page = self.resolved, self.page_size
         full_tokens = self._full_tokens_in_use(rows)
-        sparse_slots = {layer: self.maps[group].pool.slots_in_use() for layer, group in self.group_of.items()}
+        sparse_slots = {layer: self.row_slots_in_use(group) for layer, group in self.group_of.items()}
         in_use = kv_bytes_in_use(full_tokens, sparse_slots, resolved, self.bytes_per_token, self.slot_bytes)
         dense = sum(dense_kv_bytes(self.logical[row], resolved.num_layers, self.bytes_per_token, page) for row in rows)
         return in_use, dense
+
+    def row_slots_in_use(self, group: int) -> int:
+        """Slots the group's request rows hold (the pool's used slots less the store's)."""
+        return self.maps[group].pool.slots_in_use() - self.prefix_cache_slots(group)
+
+    def prefix_cache_slots(self, group: int) -> int:
+        return self.stores[group].slots() if self.stores else 0
 
     def stats(self) -> dict:
         """Per-layer slot use and bytes, for `/kvsparse/stats`, the metrics and the tests."""
@@ -292,11 +422,14 @@ class SparseState:
         full_in_use = self._full_tokens_in_use(self._running_rows())
         for layer, (kind, budget) in enumerate(zip(self.resolved.kinds, self.resolved.budgets)):
             if kind == "sparse":
-                pool = self.maps[self.group_of[layer]].pool
-                in_use, total = pool.slots_in_use(), pool.num_slots
+                group = self.group_of[layer]
+                in_use, total = self.row_slots_in_use(group), self.maps[group].pool.num_slots
+                cached = {"prefix_cache_slots": self.prefix_cache_slots(group)}
             else:  # SGLang's pool: the running requests' tokens (the radix tree may cache more)
-                in_use, total = full_in_use, self.dense_capacity
-            layers.append({"layer": layer, "kind": kind, "budget": budget, "slots_in_use": in_use, "slots_total": total})
+                in_use, total, cached = full_in_use, self.dense_capacity, {}
+            layers.append(
+                {"layer": layer, "kind": kind, "budget": budget, "slots_in_use": in_use, "slots_total": total, **cached}
+            )
         in_use, dense = self.kv_bytes()
         return {
             "enabled": True,
@@ -305,9 +438,18 @@ class SparseState:
             "kv_bytes_in_use": in_use,
             "kv_bytes_if_dense": dense,
             "pools": [
-                {"budget": b, "max_entries": m.max_entries, "free_slots": m.pool.available_slots(), "initial_free_slots": free}
-                for m, b, free in zip(self.maps, self.budgets, self.initial_free_slots)
+                {
+                    "budget": b,
+                    "max_entries": m.max_entries,
+                    "free_slots": m.pool.available_slots(),
+                    "prefix_cache_slots": self.prefix_cache_slots(group),
+                    "initial_free_slots": free,
+                }
+                for group, (m, b, free) in enumerate(zip(self.maps, self.budgets, self.initial_free_slots))
             ],
+            "prefix_cache": bool(self.stores),
+            "prefix_hits": self.prefix_hits,
+            "prefix_tokens_reused": self.prefix_tokens_reused,
             "requests_running": self.requests_running(),
             "requests_running_peak": self.requests_running_peak,
             "forward_plans": self.forward_plans,

@@ -102,6 +102,10 @@ class Server:
                 next(lines)
             return self.stats()
 
+    def flush_cache(self) -> None:
+        """Empty SGLang's radix cache (and with it the project's prefix store)."""
+        requests.post(f"{self.url}/flush_cache", timeout=120).raise_for_status()
+
     def idle_stats(self, timeout_s: float = 120) -> dict:
         """The stats once no request runs (or after `timeout_s`)."""
         deadline = time.monotonic() + timeout_s
@@ -123,3 +127,11 @@ class Server:
         response = requests.post(f"{self.url}/generate", json=payload, timeout=600)
         response.raise_for_status()
         return response.json()
+
+
+def assert_every_slot_back(stats: dict) -> None:
+    """No request holds a sparse slot: every slot is free or lends the prefix cache (evictable)."""
+    assert stats["requests_running"] == 0
+    for pool in stats["pools"]:
+        assert pool["free_slots"] + pool["prefix_cache_slots"] == pool["initial_free_slots"], pool
+    assert all(row["slots_in_use"] == 0 for row in stats["layers"] if row["kind"] == "sparse")

@@ -14,6 +14,7 @@ from sglang_kvsparse.texts import essay_text
 
 from .conftest import EVICTING_BUDGET
 from .prompts import SHORT_PROMPTS, long_prompt
+from .servers import assert_every_slot_back
 
 pytestmark = pytest.mark.e2e
 
@@ -22,10 +23,11 @@ EVICT_PAGE = 16  # SparsityConfig.evict_page default
 
 def _assert_idle_with_every_slot_back(server) -> dict:
     stats = server.idle_stats()
-    assert stats["requests_running"] == 0
-    for pool in stats["pools"]:
+    assert_every_slot_back(stats)
+    assert all(row["slots_in_use"] == 0 for row in stats["layers"])  # the full layers too
+    server.flush_cache()
+    for pool in server.stats()["pools"]:  # the prefix cache gives its slots back too
         assert pool["free_slots"] == pool["initial_free_slots"], pool
-    assert all(row["slots_in_use"] == 0 for row in stats["layers"])
     return stats
 
 

@@ -9,7 +9,7 @@ from sglang_kvsparse.sparse_state import SparseState
 BUDGET, EVICT_PAGE, PAGE = 8, 4, 2  # max_entries 12: 6 pages of 2
 
 
-def make_state(slots: int) -> SparseState:
+def make_state(slots: int, prefix_cache: bool = False) -> SparseState:
     config = SparsityConfig(full_layers=(0,), budget=BUDGET, sink=1, window=2, evict_page=EVICT_PAGE)
     resolved = config.resolve(3, 64)
     return SparseState(
@@ -21,6 +21,7 @@ def make_state(slots: int) -> SparseState:
         dtype=torch.float32,
         dense_capacity=1000,
         page_size=PAGE,
+        prefix_cache=prefix_cache,
     )
 
 
@@ -68,3 +69,17 @@ def test_admitted_requests_never_exhaust_the_pool_while_they_grow():
         for row in admitted:  # no SlotPoolExhausted above, and each row within its charge
             assert state.pages_held(row) <= state.pages_to_hold(finals[row])
     assert state.pages_held(2) == [5]
+
+
+def test_cached_prefixes_count_as_free_until_a_request_pins_its_own():
+    state = make_state(slots=24, prefix_cache=True)  # 12 pages
+    store = state.stores[0]
+    store.put(torch.arange(1, 13))  # a finished prompt's 12 entries: 6 pages, evictable
+    assert SparseAdmission(state, running=[]).free_pages == [12]
+    admission = SparseAdmission(state, running=[])
+    reuse = torch.arange(1, 9)  # a request reusing 8 of them pins 4 pages
+    assert admission.fits(100, reuse)  # 6 pages for its row + 4 pinned <= 12
+    admission.reserve(100, reuse)
+    assert admission.free_pages == [2] and store.evictable_pages() == 2
+    assert not admission.fits(5, torch.arange(1, 13))  # 3 + the 2 pages still unpinned > 2
+    assert SparseAdmission(state, running=[]).free_pages == [12]  # a new round unpins

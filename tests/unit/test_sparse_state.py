@@ -13,9 +13,13 @@ from sglang_kvsparse.sparse_state import SparseState
 H_KV, G, D = 2, 3, 8
 
 
-def make_state(num_layers=4, context=64, slots=256, page=1, max_requests=8, budget=None, window=2, evict_page=16):
+def make_state(
+    num_layers=4, context=64, slots=256, page=1, max_requests=8, budget=None, window=2, evict_page=16,
+    prefix_cache=False, pool_kernel=1,
+):
     config = SparsityConfig(  # pool_kernel 1: no pooling, so no score ties
-        full_layers=(0,), budget=budget or context, sink=1, window=window, pool_kernel=1, evict_page=evict_page
+        full_layers=(0,), budget=budget or context, sink=1, window=window, pool_kernel=pool_kernel,
+        evict_page=evict_page,
     )
     resolved = config.resolve(num_layers, context)
     return SparseState(
@@ -27,6 +31,7 @@ def make_state(num_layers=4, context=64, slots=256, page=1, max_requests=8, budg
         dtype=torch.float32,
         dense_capacity=slots,
         page_size=page,
+        prefix_cache=prefix_cache,
     )
 
 
@@ -111,7 +116,7 @@ def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries
         state.plan_decode([2])
 
 
-def test_plan_extend_refuses_a_cached_prefix():
+def test_plan_extend_refuses_a_cached_prefix_without_a_store():
     state = make_state()
     grow(state, [1], [4])
     with pytest.raises(IndexMapError, match="prefix"):
@@ -225,3 +230,118 @@ def test_stats_report_bytes_held_beside_dense_and_every_layer():
     full, sparse = stats["layers"][0], stats["layers"][1]
     assert (full["kind"], full["slots_in_use"], full["slots_total"]) == ("full", 35, 256)
     assert (sparse["kind"], sparse["budget"], sparse["slots_in_use"], sparse["slots_total"]) == ("sparse", 8, 13, 256)
+
+
+# -- prefix reuse through the prefix store -------------------------------------------------------
+
+
+def prefill(state, rows, prefix_lens, extend_lens, prefix_ids, new_ids, q, k, v, layer=1):
+    """Allocate and run one sparse layer's prefill (the backend's order: alloc, plan, forward)."""
+    grow(state, rows, [p + e for p, e in zip(prefix_lens, extend_lens)])
+    plan = state.plan_extend(rows, prefix_lens, extend_lens, prefix_ids, new_ids)
+    return sparse_extend(q, k, v, 0.3, plan, state.group_plan(plan, layer), state.buffers[layer], state.policy)
+
+
+def row_entries(state, row, layer=1):
+    slots = state.maps[0].slots(row)
+    buffers = state.buffers[layer]
+    return buffers.k[slots], buffers.v[slots], buffers.scores[slots]
+
+
+@pytest.mark.parametrize(("budget", "page"), [(8, 1), (64, 1), (8, 2)])
+def test_a_prefix_hit_attends_scores_and_keeps_exactly_as_the_fresh_prefill(budget, page):
+    """Two sequences (30 and 19 tokens) prefilled fresh, then again reusing cached prefixes of 16
+    and 8 tokens: the new tokens' outputs match, and each row keeps the same K/V and scores."""
+    torch.manual_seed(3)
+    lengths, prefixes = [30, 19], [16, 8]
+    seqs = [(torch.randn(n, H_KV * G, D), torch.randn(n, H_KV, D), torch.randn(n, H_KV, D)) for n in lengths]
+    ids = [torch.arange(1, 31), torch.arange(31, 50)]  # SGLang's full-pool ids of the cached tokens
+    # pool_kernel 3: pooling reads neighbours across the prefix boundary too.
+    state = make_state(budget=budget, window=2, page=page, prefix_cache=True, pool_kernel=3)
+    q, k, v = (torch.cat(parts) for parts in zip(*seqs))
+    fresh = prefill(state, [1, 2], [0, 0], lengths, [torch.empty(0), torch.empty(0)], torch.cat(ids), q, k, v)
+    kept = [row_entries(state, row) for row in (1, 2)]
+    assert state.stats()["pools"][0]["prefix_cache_slots"] == sum(-(-n // page) * page for n in lengths)
+    state.free(1)
+    state.free(2)
+
+    new_ids = torch.cat([torch.arange(100, 114), torch.arange(200, 211)])
+    part = [slice(p, n) for p, n in zip(prefixes, lengths)]
+    q2, k2, v2 = (torch.cat([t[sl] for t, sl in zip(ts, part)]) for ts in zip(*seqs))
+    state.begin_round()
+    state.pin_prefix(torch.cat([ids[0][:16], ids[1][:8]]))
+    hit = prefill(state, [3, 4], prefixes, [14, 11], [ids[0][:16], ids[1][:8]], new_ids, q2, k2, v2)
+    assert torch.allclose(hit[:14], fresh[16:30], atol=1e-5) and torch.allclose(hit[14:], fresh[30 + 8 :], atol=1e-5)
+    for row, (k_kept, v_kept, s_kept) in zip((3, 4), kept):
+        k_hit, v_hit, s_hit = row_entries(state, row)
+        assert torch.equal(k_hit, k_kept) and torch.equal(v_hit, v_kept)
+        assert torch.allclose(s_hit, s_kept, atol=1e-6)
+    stats = state.stats()
+    assert (stats["prefix_hits"], stats["prefix_tokens_reused"]) == (2, 24)
+    # The new tokens are stored too, so a third request could reuse all of sequence 2.
+    assert state.stores[0].valid_prefix_len(torch.cat([ids[1][:8], torch.arange(200, 211)])) == 19
+
+
+def test_rows_reclaim_the_stores_pages_but_never_pinned_ones():
+    state = make_state(slots=24, budget=8, prefix_cache=True)
+    store, pool = state.stores[0], state.maps[0].pool
+    q, k, v = torch.randn(12, H_KV * G, D), torch.randn(12, H_KV, D), torch.randn(12, H_KV, D)
+    prefill(state, [1], [0], [12], [torch.empty(0)], torch.arange(1, 13), q, k, v)
+    state.free(1)
+    assert store.slots() == 12 and pool.available_slots() == 12
+    assert state.available_pages(0) == 24  # admission counts the store's pages as free
+
+    state.begin_round()
+    state.pin_prefix(torch.arange(1, 7))  # a request reusing 6 tokens is admitted
+    assert state.available_pages(0) == 18
+    with pytest.raises(SlotPoolExhausted):
+        grow(state, [2, 3, 4], [8, 8, 8])  # 24 slots needed, 18 free or evictable
+    grow(state, [2, 3], [8, 8])  # the 12 free slots, and 4 evicted entries: the tail's
+    assert store.slots() == 8 and pool.available_slots() == 0
+    assert store.valid_prefix_len(torch.arange(1, 13)) == 8
+    state.free(2)
+    state.free(3)
+    state.clear()  # SGLang's flush
+    assert store.slots() == 0 and pool.available_slots() == 24
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["new", "decode", "free"]), st.integers(1, 7), st.integers(1, 12),
+                          st.integers(0, 5)), max_size=40))
+def test_slot_conservation_with_the_prefix_store(ops):
+    """Random prefills (some reusing an earlier sequence's cached prefix), decodes and frees: the
+    pool's used slots are always the rows' pages plus the store's, and every reused prefix is
+    found in the store."""
+    state = make_state(page=2, slots=48, budget=4, window=1, evict_page=2, prefix_cache=True)
+    index_map, store = state.maps[0], state.stores[0]
+    sequences: list[torch.Tensor] = []  # full-pool ids of earlier prompts
+    next_id = 1
+    for op, row, length, pick in ops:
+        if op == "new" and not index_map.is_active(row):
+            prefix = sequences[pick % len(sequences)] if sequences else torch.empty(0, dtype=torch.int64)
+            reuse = state.reusable_prefix_len(prefix[: length - 1], length)
+            prefix = prefix[:reuse]
+            state.begin_round()
+            state.pin_prefix(prefix)
+            try:
+                grow(state, [row], [length])
+            except SlotPoolExhausted:
+                continue  # admission would have refused it; nothing changed (checked below)
+            new = torch.arange(next_id, next_id + length - reuse)
+            next_id += length - reuse
+            plan = state.plan_extend([row], [reuse], [length - reuse], [prefix], new)
+            assert state.group_plan(plan, 1).prefix_slots.numel() == reuse
+            sequences.append(torch.cat([prefix, new]))
+        elif op == "decode" and index_map.is_active(row):
+            try:
+                grow(state, [row], [state.logical[row] + 1])
+            except SlotPoolExhausted:
+                continue
+            state.plan_decode([row], torch.tensor([next_id]))
+            next_id += 1
+        elif op == "free":
+            state.free(row)
+        held = sum(-(-index_map.length(r) // 2) * 2 for r in index_map.active_rows())
+        assert index_map.pool.slots_in_use() == held + store.slots()
+    state.clear()
+    assert index_map.pool.available_slots() == 48

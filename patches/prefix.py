@@ -1,0 +1,42 @@
+"""Radix-cache hits with sparse layers (SGLang 0.5.23): cap every match at what the prefix store
+can serve.
+
+SGLang's tree caches every token a request held, decoded ones included, but a sparse layer can
+reuse only prompt tokens whose prefill K/V the prefix store still keeps
+(`sglang_kvsparse.prefix_store`), and the prefill must keep the observation window's queries to
+score as it would without the hit (`SparseState.reusable_prefix_len`). AROUND `match_kv_cache`
+(the one place SGLang adopts a match as a request's prefix, for every scheduling policy): when the
+tree matched more than that, match again with SGLang's own `max_prefix_len` limit, so the tree
+splits its node there and the request's prefix, lock and `cached_tokens` are exactly what will be
+reused. Full layers then recompute the few tokens past the cap, which keeps every layer's prefix
+the same length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import memory
+
+TARGET = "sglang.srt.mem_cache.common.match_kv_cache"
+
+
+def cap_match(
+    original: Any,
+    req: Any,
+    tree_cache: Any,
+    token_ids: Any = None,
+    *,
+    cow_mamba: bool = False,
+    max_prefix_len: int | None = None,
+) -> Any:
+    """The AROUND hook: SGLang's match, shortened to the reusable prefix."""
+    result = original(req, tree_cache, token_ids, cow_mamba=cow_mamba, max_prefix_len=max_prefix_len)
+    if not req.prefix_len:
+        return result
+    seq_len = len(req.origin_input_ids) + len(req.output_ids) if token_ids is None else len(token_ids)
+    usable = memory.STATE.reusable_prefix_len(tree_cache.prefix_device_indices(req).to("cpu"), seq_len)
+    if usable >= req.prefix_len:
+        return result
+    limit = usable if max_prefix_len is None else min(usable, max_prefix_len)
+    return original(req, tree_cache, token_ids, cow_mamba=cow_mamba, max_prefix_len=limit)
