@@ -1,10 +1,17 @@
-"""Retrieval fidelity through the project's server: full cache against sparsity at several budgets,
-beside NVIDIA kvpress on the same prompts.
+"""Fidelity through the project's server: full cache against sparsity at several budgets, on
+retrieval (beside NVIDIA kvpress on the same prompts) and on real text.
 
 For each system (the full cache: the project's launcher with ``--kvsparse-preset off``; then each
-variant at each budget) this starts the server on the default model (fp32, CPU), asks every prompt
-of ``sglang_kvsparse.retrieval`` (passkey and needle-in-essays) through the OpenAI chat endpoint
-with greedy decoding, scores the answers, and stops the server. Variants:
+variant at each budget) this starts the server on the default model (fp32, CPU), runs the suites,
+and stops the server:
+
+- ``retrieval``: every prompt of ``sglang_kvsparse.retrieval`` (passkey and needle-in-essays)
+  through the OpenAI chat endpoint with greedy decoding, scored by the answer;
+- ``lm``: essay passages whose continuation is teacher-forced through the decode path
+  (``sglang_kvsparse.continuations``): perplexity and top-1 accuracy on the real text, and
+  next-token agreement with the full cache's own greedy continuation.
+
+Variants:
 
 - ``snapkv``: every layer sparse at the budget: kvpress's SnapKV setting, method for method;
 - ``default``: the launcher's default recipe, layers 0 and 1 full, the others at the budget.
@@ -16,11 +23,12 @@ asked unless ``--all-prompts`` is given (it triples the run time). kvpress's num
 its report (``bench/fidelity_kvpress.py``, run in its own environment), matched by prompt id and
 answer.
 
-Writes ``<out-dir>/fidelity-<date>.json`` (every answer), ``.md`` and ``.png`` (accuracy against
-budget), rewritten after each system.
+Writes ``<out-dir>/fidelity-<date>.json`` (every answer and score), ``.md`` and ``.png`` (accuracy,
+agreement and perplexity against budget), rewritten after each system.
 
-Usage: .venv/bin/python bench/fidelity.py [--budgets 256,512,1024,2048] [--variants snapkv,default]
-       [--kvpress bench/results/fidelity-kvpress-<date>.json] [--all-prompts] [--limit N] [--out-dir DIR]
+Usage: .venv/bin/python bench/fidelity.py [--suites retrieval,lm] [--budgets 256,512,1024,2048]
+       [--variants snapkv,default] [--kvpress bench/results/fidelity-kvpress-<date>.json]
+       [--all-prompts] [--limit N] [--lm-context-lens 2000,4000] [--lm-passages 3] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -35,15 +43,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 import requests
+from common import teacher_forced
 from common.report import ReportPaths, write_json
 from common.server import ServerStartError
 from common.systems import ServerSettings, args_for_report, machine, prepare_model, server_for, shared_server_args
 
-from sglang_kvsparse import retrieval
+from sglang_kvsparse import continuations, retrieval
 from sglang_kvsparse.texts import essay_text
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_BUDGETS = (256, 512, 1024, 2048)
+SUITES = ("retrieval", "lm")
 FULL = "full"
 FULL_FLAGS = ("--kvsparse-preset", "off")
 VARIANTS: dict[str, Callable[[int], tuple[str, ...]]] = {
@@ -83,10 +93,14 @@ def ask(base_url: str, prompt: retrieval.RetrievalPrompt, max_new_tokens: int) -
 
 
 def run_system(name: str, flags: tuple[str, ...], shared: list[str], prompts: list,
+               passages: list[continuations.Passage], references: dict[str, list[int]],
                budget: int | None, log_dir: Path, max_new_tokens: int) -> dict[str, Any]:
-    """Start one server, ask every prompt longer than `budget`, stop it."""
+    """Start one server, ask every prompt longer than `budget`, score the passages, stop it.
+
+    `references` holds the full cache's greedy continuations; the first system (the full cache)
+    fills it."""
     system: dict[str, Any] = {"name": name, "flags": list(flags), "budget": budget, "answers": {},
-                              "error": None}
+                              "lm": {}, "error": None}
     started = time.monotonic()
     try:
         with server_for(name, flags, shared, SETTINGS, log_dir, say) as server:
@@ -98,7 +112,10 @@ def run_system(name: str, flags: tuple[str, ...], shared: list[str], prompts: li
                 mark = "✓" if answer["correct"] else "✗"
                 say(f"[{name}] {number}/{len(prompts)} {prompt.prompt_id} "
                     f"({answer['prompt_tokens']} tok): {mark} {answer['output'][:40]!r}")
-    except (ServerStartError, requests.RequestException) as exc:
+            if passages:
+                system["lm"] = teacher_forced.run_lm_suite(
+                    server.base_url, passages, references, lambda line: say(f"[{name}] {line}"))
+    except (ServerStartError, requests.RequestException, RuntimeError) as exc:
         say(f"[{name}] failed: {exc}")
         system["error"] = str(exc).splitlines()[0]
     system["seconds"] = round(time.monotonic() - started)
@@ -121,7 +138,7 @@ def accuracy(report: dict[str, Any], kvpress: dict[str, Any] | None) -> dict[str
     """Correct / evaluated per (method, budget) over the prompts both full caches solve."""
     systems = {s["name"]: s for s in report["systems"] if s["error"] is None}
     full = systems.get(FULL)
-    if full is None:
+    if full is None or not full["answers"]:
         return {}
     solved = {pid for pid, a in full["answers"].items() if a["correct"]}
     if kvpress is not None:
@@ -148,22 +165,56 @@ def accuracy(report: dict[str, Any], kvpress: dict[str, Any] | None) -> dict[str
             "prompts": len(full["answers"])}
 
 
+def language_model(report: dict[str, Any]) -> dict[str, Any]:
+    """Per system, token-weighted over the passages: perplexity and top-1 accuracy on the real
+    text, agreement with the full cache's greedy continuation, and perplexity relative to the
+    full cache's."""
+    systems = [s for s in report["systems"] if s["error"] is None and s["lm"]]
+    full = next((s for s in systems if s["name"] == FULL), None)
+    if full is None:
+        return {}
+    full_ppl = teacher_forced.summarize(full["lm"], "real").perplexity
+    rows = []
+    for system in systems:
+        real = teacher_forced.summarize(system["lm"], "real")
+        greedy = teacher_forced.summarize(system["lm"], "full_greedy")
+        rows.append({"system": system["name"], "budget": system["budget"], "tokens": real.tokens,
+                     "perplexity": real.perplexity, "perplexity_ratio": real.perplexity / full_ppl,
+                     "top1_real": real.top1_rate, "agreement_with_full": greedy.top1_rate})
+    return {"passages": len(full["lm"]), "rows": rows}
+
+
 def markdown(report: dict[str, Any]) -> str:
-    budgets = report["settings"]["budgets"]
-    acc = report["accuracy"]
+    settings = report["settings"]
     lines = [
-        f"# Retrieval fidelity through the server — {report['date']}",
+        f"# Fidelity through the server — {report['date']}",
         "",
         f"- Machine: {report['machine']}",
         f"- Server arguments (all systems): `{' '.join(report['server_args'])}`",
-        f"- {len(report['prompt_ids'])} prompts (passkey and needle-in-essays, "
-        f"{report['settings']['prompt_tokens_min']:,}–{report['settings']['prompt_tokens_max']:,} "
-        f"tokens), greedy, {report['settings']['max_new_tokens']} new tokens, OpenAI chat endpoint",
-        f"- kvpress reference: {report['kvpress']['path'] if report.get('kvpress') else 'none'}",
+        f"- Suites: {', '.join(settings['suites'])}",
+        "",
+    ]
+    if "retrieval" in settings["suites"]:
+        lines += retrieval_markdown(report)
+    if "lm" in settings["suites"]:
+        lines += lm_markdown(report)
+    return "\n".join(lines) + "\n"
+
+
+def retrieval_markdown(report: dict[str, Any]) -> list[str]:
+    budgets = report["settings"]["budgets"]
+    acc = report["accuracy"]
+    lines = [
+        "## Retrieval",
+        "",
+        f"{len(report['prompt_ids'])} prompts (passkey and needle-in-essays, "
+        f"{report['settings'].get('prompt_tokens_min', 0):,}–{report['settings'].get('prompt_tokens_max', 0):,} "
+        f"tokens), greedy, {report['settings']['max_new_tokens']} new tokens, OpenAI chat endpoint; "
+        f"kvpress reference: {report['kvpress']['path'] if report.get('kvpress') else 'none'}.",
         "",
     ]
     if not acc:
-        return "\n".join(lines + ["The full-cache run failed; no accuracy."]) + "\n"
+        return lines + ["The full-cache run failed; no accuracy.", ""]
     solved = len(acc["solved_by_both_full_caches"])
     lines += [
         f"Full cache through the server: {acc['full_cache_solved']}/{acc['prompts']} correct. Each "
@@ -177,7 +228,7 @@ def markdown(report: dict[str, Any]) -> str:
         shown = [cells.get(str(b)) for b in budgets]
         lines.append(f"| {method} | " + " | ".join(
             "—" if c is None else f"{c['correct']}/{c['evaluated']}" for c in shown) + " |")
-    lines += ["", "## Per prompt", "",
+    lines += ["", "### Per prompt", "",
               "| prompt | tokens | answer | " + " | ".join(s["name"] for s in report["systems"]) + " |",
               "|---|---|---|" + "---|" * len(report["systems"])]
     tokens = report["prompt_tokens"]
@@ -187,7 +238,32 @@ def markdown(report: dict[str, Any]) -> str:
             run = system["answers"].get(pid)
             marks.append("—" if run is None else ("✓" if run["correct"] else "✗"))
         lines.append(f"| {pid} | {tokens.get(pid, '—')} | {answer} | " + " | ".join(marks) + " |")
-    return "\n".join(lines) + "\n"
+    return lines + [""]
+
+
+def lm_markdown(report: dict[str, Any]) -> list[str]:
+    lm = report["language_model"]
+    settings = report["settings"]
+    lines = [
+        "## Real text, teacher-forced through the decode path",
+        "",
+        f"{settings['lm_passages_per_len']} essay passages per context length "
+        f"({', '.join(f'{n:,}' for n in settings['lm_context_lens'])} tokens), each followed by "
+        f"{settings['lm_continuation_len']} forced tokens (the first predicted by the prefill, the "
+        "rest by decode steps over the sparse layers' kept entries, evicting as they grow). "
+        "Perplexity and top-1 accuracy are on the essay's real next tokens; agreement is the share "
+        "of steps whose top token is the full cache's own greedy token, forced on that continuation.",
+        "",
+    ]
+    if not lm:
+        return lines + ["The full-cache run failed; no scores.", ""]
+    lines += ["| system | budget | tokens | perplexity | vs full | top-1 (real text) | agreement with full |",
+              "|---|---|---|---|---|---|---|"]
+    for row in lm["rows"]:
+        budget = "—" if row["budget"] is None else f"{row['budget']:,}"
+        lines.append(f"| {row['system']} | {budget} | {row['tokens']} | {row['perplexity']:.3f} | "
+                     f"{row['perplexity_ratio']:.3f} | {row['top1_real']:.3f} | {row['agreement_with_full']:.3f} |")
+    return lines + [""]
 
 
 def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
@@ -196,24 +272,38 @@ def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    acc = report["accuracy"]
-    if not acc:
+    panels = [kind for kind, present in (("retrieval", report["accuracy"]),
+                                         ("lm", report["language_model"])) if present]
+    if not panels:
         return
-    fig, axis = plt.subplots(figsize=(7, 4))
-    for method, cells in acc["rows"].items():
-        budgets = sorted(int(b) for b in cells)
-        rate = [cells[str(b)]["correct"] / max(cells[str(b)]["evaluated"], 1) for b in budgets]
-        axis.plot(budgets, rate, marker="o", linestyle="-" if method.startswith("project") else "--",
-                  label=method)
-    axis.axhline(1.0, color="gray", linewidth=0.8, label="full cache")
-    axis.set(xscale="log", xlabel="budget (tokens kept per sparse layer)",
-             ylabel="retrieval accuracy", ylim=(-0.05, 1.05),
-             title=f"Retrieval on prompts both full caches solve — {report['date']}")
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
     budgets = report["settings"]["budgets"]
-    axis.set_xticks(budgets, [str(b) for b in budgets])
-    axis.minorticks_off()
-    axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=8)
+    for axis, kind in zip(axes[0], panels):
+        if kind == "retrieval":
+            for method, cells in report["accuracy"]["rows"].items():
+                xs = sorted(int(b) for b in cells)
+                ys = [cells[str(b)]["correct"] / max(cells[str(b)]["evaluated"], 1) for b in xs]
+                axis.plot(xs, ys, marker="o", linestyle="-" if method.startswith("project") else "--",
+                          label=method)
+            axis.set(ylabel="retrieval accuracy", title="Retrieval (prompts both full caches solve)")
+        else:
+            rows = [r for r in report["language_model"]["rows"] if r["budget"] is not None]
+            for variant in dict.fromkeys(r["system"].rsplit("-", 1)[0] for r in rows):
+                mine = sorted((r for r in rows if r["system"].rsplit("-", 1)[0] == variant),
+                              key=lambda r: r["budget"])
+                xs = [r["budget"] for r in mine]
+                axis.plot(xs, [r["agreement_with_full"] for r in mine], marker="o",
+                          label=f"{variant}: agreement with full")
+                axis.plot(xs, [1 / r["perplexity_ratio"] for r in mine], marker="s", linestyle=":",
+                          label=f"{variant}: full ppl / ppl")
+            axis.set(ylabel="share", title="Real text, teacher-forced decode")
+        axis.axhline(1.0, color="gray", linewidth=0.8, label="full cache")
+        axis.set(xscale="log", xlabel="budget (tokens kept per sparse layer)", ylim=(-0.05, 1.05))
+        axis.set_xticks(budgets, [str(b) for b in budgets])
+        axis.minorticks_off()
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=8)
+    fig.suptitle(f"Fidelity through the server — {report['date']}")
     fig.tight_layout()
     fig.savefig(paths.png, dpi=110)
     plt.close(fig)
@@ -226,10 +316,10 @@ def write_report(paths: ReportPaths, report: dict[str, Any], kvpress: dict[str, 
         report["settings"].update(prompt_tokens_min=min(tokens.values()),
                                   prompt_tokens_max=max(tokens.values()))
     report["accuracy"] = accuracy(report, kvpress)
+    report["language_model"] = language_model(report)
     write_json(paths, report)
-    if tokens:
-        paths.markdown.write_text(markdown(report))
-        write_plot(paths, report)
+    paths.markdown.write_text(markdown(report))
+    write_plot(paths, report)
 
 
 def latest_kvpress_report() -> Path | None:
@@ -237,55 +327,78 @@ def latest_kvpress_report() -> Path | None:
     return reports[-1] if reports else None
 
 
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated, of {SUITES}")
     parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)))
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--kvpress", type=Path, default=latest_kvpress_report(),
                         help="kvpress report to compare with (default: the latest in bench/results)")
     parser.add_argument("--no-kvpress", action="store_true", help="compare with nothing external")
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--limit", type=int, help="only the first N prompts (a quick look)")
+    parser.add_argument("--limit", type=int, help="only the first N retrieval prompts (a quick look)")
     parser.add_argument("--all-prompts", action="store_true",
                         help="also ask the prompts kvpress's full cache misses")
+    parser.add_argument("--lm-context-lens", type=_ints,
+                        default=list(continuations.DEFAULT_CONTEXT_LENS))
+    parser.add_argument("--lm-passages", type=int, default=continuations.DEFAULT_PASSAGES_PER_LEN,
+                        help="passages per context length")
+    parser.add_argument("--lm-continuation", type=int, default=continuations.DEFAULT_CONTINUATION_LEN,
+                        help="forced tokens per passage")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    budgets = sorted(int(b) for b in args.budgets.split(","))
+    budgets = sorted(_ints(args.budgets))
     variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
+    suites = args.suites.split(",")
+    unknown = [v for v in variants if v not in VARIANTS] + [s for s in suites if s not in SUITES]
     if unknown:
-        parser.error(f"unknown --variants {unknown}; choose from {list(VARIANTS)}")
+        parser.error(f"unknown --variants/--suites {unknown}; choose from {list(VARIANTS)} and {list(SUITES)}")
 
-    prompts = build_prompts()
-    if not args.no_kvpress and args.kvpress is None:
-        parser.error("no kvpress report in bench/results: run bench/fidelity_kvpress.py, or --no-kvpress")
-    kvpress = None if args.no_kvpress else load_kvpress(args.kvpress, prompts)
-    if kvpress is not None and not args.all_prompts:
-        prompts = [p for p in prompts if kvpress["prompts"][p.prompt_id]["full"]["correct"]]
+    prompts = build_prompts() if "retrieval" in suites else []
+    kvpress = None
+    if prompts and not args.no_kvpress:
+        if args.kvpress is None:
+            parser.error("no kvpress report in bench/results: run bench/fidelity_kvpress.py, or --no-kvpress")
+        kvpress = load_kvpress(args.kvpress, prompts)
+        if not args.all_prompts:
+            prompts = [p for p in prompts if kvpress["prompts"][p.prompt_id]["full"]["correct"]]
     prompts = prompts[: args.limit] if args.limit else prompts
     date = dt.date.today().isoformat()
     paths = ReportPaths(args.out_dir, f"fidelity-{date}")
     log_dir = args.out_dir / f"{paths.stem}-logs"
     model_dir, load_args = prepare_model(SETTINGS, log_dir)
-    shared = shared_server_args(SETTINGS, model_dir, load_args)
+    passages = (teacher_forced.build_passages(model_dir, args.lm_context_lens, args.lm_passages,
+                                              args.lm_continuation) if "lm" in suites else [])
+    shared = shared_server_args(SETTINGS, model_dir, load_args) + list(teacher_forced.SERVER_FLAGS)
     report: dict[str, Any] = {
         "benchmark": "fidelity", "date": date, "machine": machine(),
         "server_args": args_for_report(shared, model_dir),
-        "settings": {"budgets": budgets, "variants": variants, "max_new_tokens": args.max_new_tokens},
+        "settings": {"suites": suites, "budgets": budgets, "variants": variants,
+                     "max_new_tokens": args.max_new_tokens, "lm_context_lens": args.lm_context_lens,
+                     "lm_passages_per_len": args.lm_passages, "lm_continuation_len": args.lm_continuation},
         "prompt_ids": [p.prompt_id for p in prompts], "answers": [p.answer for p in prompts],
+        "passage_ids": [p.passage_id for p in passages], "full_greedy_continuations": {},
         "kvpress": kvpress and {k: v for k, v in kvpress.items() if k != "prompts"}, "systems": [],
     }
     plan = [(FULL, FULL_FLAGS, None)] + [
         (f"{variant}-{budget}", VARIANTS[variant](budget), budget)
         for variant in variants for budget in budgets]
-    say(f"{len(prompts)} prompts; {len(plan)} servers: {', '.join(name for name, _, _ in plan)}")
+    say(f"{len(prompts)} prompts, {len(passages)} passages; {len(plan)} servers: "
+        f"{', '.join(name for name, _, _ in plan)}")
     for name, flags, budget in plan:
-        report["systems"].append(
-            run_system(name, flags, shared, prompts, budget, log_dir, args.max_new_tokens))
+        system = run_system(name, flags, shared, prompts, passages, report["full_greedy_continuations"],
+                            budget, log_dir, args.max_new_tokens)
+        report["systems"].append(system)
         write_report(paths, report, kvpress)
-    if paths.markdown.exists():
-        print(paths.markdown.read_text(), flush=True)
+        if name == FULL and system["error"] is not None:
+            say("the full cache failed: nothing to compare with")
+            break
+    print(paths.markdown.read_text(), flush=True)
     say(f"wrote {paths.json}, {paths.markdown}, {paths.png}")
     return 0 if all(s["error"] is None for s in report["systems"]) else 1
 

@@ -79,9 +79,9 @@ def measure(server: ServerProcess, profile: Profile, concurrency: int, log_dir: 
             dense_bytes_per_request: int) -> dict[str, Any]:
     """One client run at one concurrency, as a report row."""
     workload = Workload(profile.input_len, profile.output_len, profile.num_prompts(concurrency),
-                        concurrency, profile.seed)
+                        concurrency, profile.seed, profile.shared_prefix)
     say(f"[{server.name}] concurrency {concurrency}: {workload.num_prompts} prompts of "
-        f"{workload.input_len} in / {workload.output_len} out")
+        f"{profile.prompt_len} in / {workload.output_len} out")
     bookmark = server.log_size()
     load_before = os.getloadavg()[0]
     with KvStatsPoller(server.base_url) as poller:
@@ -141,6 +141,7 @@ def build_report(profile: Profile, date: str, model_dir: Path, shared: list[str]
             "kv_bytes_per_token": bytes_per_token,
             "input_len": profile.input_len,
             "output_len": profile.output_len,
+            "shared_prefix": dataclasses.asdict(profile.shared_prefix) if profile.shared_prefix else None,
             "seed": profile.seed,
             "server_args": args_for_report(shared, model_dir),
         },
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir, load_args = prepare_model(settings, log_dir)
     shared = shared_server_args(settings, model_dir, load_args)
     bytes_per_token = kv_bytes_per_token(model_dir, profile.dtype)
-    dense_per_request = (profile.input_len + profile.output_len) * bytes_per_token
+    dense_per_request = (profile.prompt_len + profile.output_len) * bytes_per_token
     say(f"profile {profile.name}: {len(profile.variants) + 1} systems × "
         f"{len(profile.concurrencies)} concurrencies; logs in {log_dir}")
 

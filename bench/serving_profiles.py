@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from common.client import SharedPrefix
 from common.systems import ServerSettings
 
 #: The project's side with sparsity off: the same code path as stock SGLang plus the plugin; a
@@ -24,6 +25,8 @@ PROJECT_BUDGET_256 = ("--kvsparse-full-layers", "0,1", "--kvsparse-budget", "256
 #: (5,500 tokens) rather than for the model's 131,072-token context, which would give the full
 #: layers room for 128k-token requests and the sparse pools almost none.
 NOVITA_SPARSITY = ("--kvsparse-full-layers", "0,1,2", "--kvsparse-config", '{"pool_target_len": 5500}')
+#: SGLang's own switch, for a variant that shows what prefix reuse is worth.
+NO_PREFIX_REUSE = ("--disable-radix-cache",)
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,9 @@ class Profile:
 
     ``model`` is ``"default"`` (the embedded SmolLM2-135M) or the name of a folder under
     ``bench/models`` served with dummy weights. ``num_prompts`` at a concurrency C is
-    ``max(min_prompts, prompts_per_slot × C)``: enough requests that every slot is used.
+    ``max(min_prompts, prompts_per_slot × C)``: enough requests that every slot is used; with
+    ``shared_prefix`` it is the dataset's groups × prompts per group at every level, and
+    ``input_len`` is the shared system prompt's length.
     """
 
     name: str
@@ -63,6 +68,12 @@ class Profile:
     startup_timeout_s: float = 900.0
     client_timeout_s: float = 3600.0
     shrink_model: bool = False
+    shared_prefix: SharedPrefix | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        """Tokens of one prompt (system prompt and question with a shared prefix)."""
+        return self.input_len + (self.shared_prefix.question_len if self.shared_prefix else 0)
 
     def server_settings(self) -> ServerSettings:
         return ServerSettings(self.model, self.device, self.dtype, self.max_total_tokens,
@@ -70,6 +81,8 @@ class Profile:
                               self.startup_timeout_s, self.shrink_model)
 
     def num_prompts(self, concurrency: int) -> int:
+        if self.shared_prefix is not None:
+            return self.shared_prefix.num_prompts
         return max(self.min_prompts, self.prompts_per_slot * concurrency)
 
     def dry_run(self) -> "Profile":
@@ -145,6 +158,24 @@ PROFILES: dict[str, Profile] = {
             variants=(Variant("default", PROJECT_DEFAULT), Variant("budget-256", PROJECT_BUDGET_256)),
             max_total_tokens=12288,
             client_timeout_s=7200.0,
+        ),
+        Profile(
+            name="cpu-shared-prefix",
+            description="Default model on the CPU: 4 groups of 4 prompts, each a shared "
+            "3,000-token system prompt and its own 100-token question, 64 out, concurrency 4 and "
+            "8, with the radix cache on for both systems (a group's later requests can hit its "
+            "first). The project's default preset reuses prefixes through its prefix store; the "
+            "no-prefix-reuse variant is the same with SGLang's radix cache disabled.",
+            model="default",
+            device="cpu",
+            dtype="float32",
+            input_len=3000,
+            output_len=64,
+            concurrencies=(4, 8),
+            variants=(Variant("default", PROJECT_DEFAULT),
+                      Variant("default-no-prefix-reuse", (*PROJECT_DEFAULT, *NO_PREFIX_REUSE))),
+            max_total_tokens=24576,
+            shared_prefix=SharedPrefix(groups=4, prompts_per_group=4, question_len=100),
         ),
         Profile(
             name="gpu-novita",

@@ -23,34 +23,61 @@ class ClientError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class SharedPrefix:
+    """Prompts in groups that share a system prompt (SGLang's ``generated-shared-prefix``
+    dataset): the workload's ``input_len`` is the shared part, and each prompt adds a question of
+    its own. Requests are shuffled, so a group's first request misses the radix cache and the
+    others can hit it."""
+
+    groups: int
+    prompts_per_group: int
+    question_len: int
+
+    @property
+    def num_prompts(self) -> int:
+        return self.groups * self.prompts_per_group
+
+
+@dataclass(frozen=True)
 class Workload:
-    """One client run: fixed-length random token-id prompts at one max concurrency."""
+    """One client run at one max concurrency: fixed-length random token-id prompts, unrelated to
+    each other or (``shared_prefix``) in groups sharing a system prompt."""
 
     input_len: int
     output_len: int
     num_prompts: int
     max_concurrency: int
     seed: int
+    shared_prefix: SharedPrefix | None = None
 
     def client_args(self) -> list[str]:
         """Arguments for ``sglang.benchmark.serving``.
 
-        ``--tokenize-prompt`` sends token ids, so every prompt is exactly ``input_len`` tokens
-        (text prompts are re-tokenised by the server and grow by ~5 %). ``--flush-cache`` empties
-        the radix cache after the client's warm-up request, so the same prompts (same seed) at the
+        ``--tokenize-prompt`` sends token ids, so every prompt is exactly as long as asked (text
+        prompts are re-tokenised by the server and grow by ~5 %). ``--flush-cache`` empties the
+        radix cache after the client's warm-up request, so the same prompts (same seed) at the
         next concurrency, or on the next system, are computed again rather than served from cache.
         """
+        common = ["--backend", "sglang", "--tokenize-prompt", "--num-prompts", str(self.num_prompts),
+                  "--max-concurrency", str(self.max_concurrency), "--seed", str(self.seed), "--flush-cache"]
+        prefix = self.shared_prefix
+        if prefix is None:
+            return [
+                *common,
+                "--dataset-name", "random-ids",
+                "--random-input-len", str(self.input_len),
+                "--random-output-len", str(self.output_len),
+                "--random-range-ratio", "1.0",
+            ]
         return [
-            "--backend", "sglang",
-            "--dataset-name", "random-ids",
-            "--tokenize-prompt",
-            "--random-input-len", str(self.input_len),
-            "--random-output-len", str(self.output_len),
-            "--random-range-ratio", "1.0",
-            "--num-prompts", str(self.num_prompts),
-            "--max-concurrency", str(self.max_concurrency),
-            "--seed", str(self.seed),
-            "--flush-cache",
+            *common,
+            "--dataset-name", "generated-shared-prefix",
+            "--gsp-num-groups", str(prefix.groups),
+            "--gsp-prompts-per-group", str(prefix.prompts_per_group),
+            "--gsp-system-prompt-len", str(self.input_len),
+            "--gsp-question-len", str(prefix.question_len),
+            "--gsp-output-len", str(self.output_len),
+            "--gsp-range-ratio", "1.0",
         ]
 
 

@@ -91,8 +91,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- Machine: {report['machine']}",
         f"- Model: {settings['model']} ({settings['dtype']}, "
         f"{settings['kv_bytes_per_token']:,} dense KV bytes/token)",
-        f"- Workload: {settings['input_len']:,} input / {settings['output_len']:,} output tokens "
-        f"(random token ids, seed {settings['seed']}), SGLang's `sglang.benchmark.serving`",
+        f"- Workload: {_workload(settings)}, SGLang's `sglang.benchmark.serving`",
         f"- Server arguments (both systems): `{' '.join(settings['server_args'])}`",
         "",
         "| system | concurrency | done/sent | "
@@ -134,6 +133,17 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _workload(settings: dict[str, Any]) -> str:
+    prefix = settings.get("shared_prefix")
+    if prefix is None:
+        return (f"{settings['input_len']:,} input / {settings['output_len']:,} output tokens "
+                f"(random token ids, seed {settings['seed']})")
+    return (f"{prefix['groups']} groups × {prefix['prompts_per_group']} prompts, each a shared "
+            f"{settings['input_len']:,}-token system prompt and a {prefix['question_len']:,}-token "
+            f"question, {settings['output_len']:,} output tokens (random token ids, seed "
+            f"{settings['seed']}, generated-shared-prefix)")
 
 
 def write_markdown(paths: ReportPaths, report: dict[str, Any]) -> None:

@@ -1,6 +1,10 @@
-"""The fidelity benchmark runs end to end through the server on one prompt: the full cache and one
-sparse variant are started, asked, scored and reported (JSON, markdown, PNG), beside kvpress's
-committed answers for the same prompt. About two minutes: two server starts.
+"""The fidelity benchmark runs end to end through the server on one retrieval prompt and one essay
+passage: the full cache and one sparse variant are started, asked, scored and reported (JSON,
+markdown, PNG), beside kvpress's committed answers for the same prompt. About two minutes: two
+server starts.
+
+Teacher forcing is checked where its answer is known: forced on its own greedy continuation, the
+full cache predicts every token of it (agreement 1), and every forced token was decoded.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_fidelity_runs_one_prompt_through_two_servers(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "fidelity.py"), "--limit", "1", "--budgets", "256",
-         "--variants", "snapkv", "--out-dir", str(tmp_path)],
+         "--variants", "snapkv", "--lm-context-lens", "600", "--lm-passages", "1",
+         "--lm-continuation", "32", "--out-dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=1200,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
@@ -34,5 +39,9 @@ def test_fidelity_runs_one_prompt_through_two_servers(tmp_path: Path) -> None:
     assert report["kvpress"]["path"].endswith(".json")
     if report["accuracy"]["solved_by_both_full_caches"]:  # the full caches' verdicts are data
         assert report["accuracy"]["rows"]["project snapkv"]["256"]["evaluated"] == 1
-    assert report_file.with_suffix(".md").read_text().startswith("# Retrieval fidelity")
+    lm = {row["system"]: row for row in report["language_model"]["rows"]}
+    assert lm["full"]["agreement_with_full"] == 1.0 and lm["full"]["tokens"] == 32
+    assert lm["snapkv-256"]["tokens"] == 32 and 0 <= lm["snapkv-256"]["agreement_with_full"] <= 1
+    assert lm["full"]["perplexity"] > 1 and lm["snapkv-256"]["perplexity"] > 1
+    assert report_file.with_suffix(".md").read_text().startswith("# Fidelity through the server")
     assert report_file.with_suffix(".png").stat().st_size > 0
