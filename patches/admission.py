@@ -6,7 +6,9 @@ slots) the request must fit the sparse pools (`sglang_kvsparse.admission.SparseA
 on the adder's first call from its running batch); when it does not, the answer is SGLang's own
 "no room" (`AddReqResult.NO_TOKEN`), so the request waits in the queue as it would in stock SGLang.
 A request with a radix-cache hit is also charged the prefix store pages it pins (its prefill reads
-them).
+them). A request that would reuse much more of a prompt admitted in the same round waits for the
+next round (`AddReqResult.OTHER`: SGLang stops adding for this round, without marking the batch
+full), when that prompt is in the cache.
 """
 
 from __future__ import annotations
@@ -43,12 +45,15 @@ def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any
         setattr(adder, _ROUND, round_)
     need = final_len(req, context_len)
     prefix = prefix_ids(adder.tree_cache, req)
+    token_ids = req.origin_input_ids + req.output_ids
+    if state.stores and round_.should_wait(token_ids, req.prefix_len):
+        return AddReqResult.OTHER  # ends this round's admission; first in line for the next
     if not round_.fits(need, prefix):
         return AddReqResult.NO_TOKEN
     admitted_before = len(adder.can_run_list)
     result = original(adder, req, *args, **kwargs)
     if len(adder.can_run_list) > admitted_before:
-        round_.reserve(need, prefix)
+        round_.reserve(need, prefix, token_ids)
     return result
 
 

@@ -28,8 +28,8 @@ pinned from admission until the step is over (`begin_round`, or the next decode 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch

@@ -83,3 +83,16 @@ def test_cached_prefixes_count_as_free_until_a_request_pins_its_own():
     assert admission.free_pages == [2] and store.evictable_pages() == 2
     assert not admission.fits(5, torch.arange(1, 13))  # 3 + the 2 pages still unpinned > 2
     assert SparseAdmission(state, running=[]).free_pages == [12]  # a new round unpins
+
+
+def test_a_request_sharing_a_prompt_admitted_this_round_waits_for_its_prefix():
+    state = make_state(slots=24, prefix_cache=True)
+    system = list(range(1000, 1300))  # a 300-token system prompt nobody has cached yet
+    admission = SparseAdmission(state, running=[])
+    first = system + [1, 2, 3]
+    assert not admission.should_wait(first, prefix_len=0)  # nothing admitted yet: it goes first
+    admission.reserve(10, token_ids=first)
+    assert admission.should_wait(system + [7, 8], prefix_len=0)  # would share 300 tokens
+    assert not admission.should_wait(system + [7, 8], prefix_len=100)  # only 200 more than its hit
+    assert not admission.should_wait([5] + system, prefix_len=0)  # shares nothing
+    assert not SparseAdmission(state, running=[]).should_wait(system + [7, 8], prefix_len=0)  # next round
