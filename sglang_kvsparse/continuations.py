@@ -22,11 +22,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from sglang_kvsparse.texts import essay_text
 
 #: Context lengths in tokens, passages per length, and the forced continuation's length.
 DEFAULT_CONTEXT_LENS: tuple[int, ...] = (2_000, 4_000)
 DEFAULT_PASSAGES_PER_LEN = 3
 DEFAULT_CONTINUATION_LEN = 128
+#: Characters of essays fetched per token needed (SmolLM2 averages ~4.2; the rest is margin).
+_CHARS_PER_TOKEN = 5
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,19 @@ def essay_passages(
             passages.append(Passage(f"essay-{length}-{index}", context, continuation))
             start += length + continuation_len
     return passages
+
+
+def tokenized_essay_passages(
+    tokenizer: Any,
+    context_lens: Sequence[int] = DEFAULT_CONTEXT_LENS,
+    per_len: int = DEFAULT_PASSAGES_PER_LEN,
+    continuation_len: int = DEFAULT_CONTINUATION_LEN,
+) -> list[Passage]:
+    """`essay_passages` of the Paul Graham essays, tokenised by `tokenizer` (a Hugging Face
+    tokenizer of the served model: the server and kvpress see the same ids)."""
+    need = per_len * sum(n + continuation_len for n in context_lens)
+    ids = tokenizer(essay_text(need * _CHARS_PER_TOKEN), add_special_tokens=False)["input_ids"]
+    return essay_passages(ids, context_lens, per_len, continuation_len)
 
 
 @dataclass(frozen=True)

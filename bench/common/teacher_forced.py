@@ -16,27 +16,20 @@ from typing import Any
 
 import requests
 
-from sglang_kvsparse.continuations import ForcedScore, Passage, essay_passages, total
+from sglang_kvsparse.continuations import ForcedScore, Passage, tokenized_essay_passages, total
 from sglang_kvsparse.patches.teacher_forcing import KEY, ForcedContinuation
-from sglang_kvsparse.texts import essay_text
 
 #: Server flag the suite needs.
 SERVER_FLAGS = ("--enable-custom-logit-processor",)
 #: Requests in flight at once: the server batches their decode steps.
 CONCURRENCY = 4
-#: Characters of essays per token needed (SmolLM2: ~4.2 characters a token; margin for safety).
-_CHARS_PER_TOKEN = 5
-
-
 def build_passages(model_dir: Path, context_lens: Sequence[int], per_len: int,
                    continuation_len: int) -> list[Passage]:
     """Essay passages, tokenised with the served model's own tokenizer."""
     from transformers import AutoTokenizer
 
-    need = per_len * sum(n + continuation_len for n in context_lens)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    ids = tokenizer(essay_text(need * _CHARS_PER_TOKEN), add_special_tokens=False)["input_ids"]
-    return essay_passages(ids, context_lens, per_len, continuation_len)
+    return tokenized_essay_passages(tokenizer, context_lens, per_len, continuation_len)
 
 
 def _generate(base_url: str, context: Sequence[int], max_new_tokens: int,

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from sglang_kvsparse.continuations import ForcedScore, essay_passages, total
+from sglang_kvsparse.continuations import ForcedScore, essay_passages, tokenized_essay_passages, total
+from sglang_kvsparse.texts import essay_text
 
 
 def test_passages_are_disjoint_spans_of_the_tokens_in_order():
@@ -36,3 +37,16 @@ def test_forced_scores_sum_over_tokens_and_passages():
     with pytest.raises(ValueError, match="records"):
         ForcedScore.of(records[:2], forced)
     assert math.isnan(total([]).perplexity)
+
+
+def test_essay_passages_are_cut_from_the_tokenized_essays():
+    calls = []
+
+    def tokenizer(text, add_special_tokens):
+        calls.append(add_special_tokens)
+        return {"input_ids": [ord(c) for c in text]}  # one "token" per character
+
+    passages = tokenized_essay_passages(tokenizer, context_lens=(50,), per_len=2, continuation_len=5)
+    assert calls == [False] and len(passages) == 2
+    first = "".join(map(chr, passages[0].context_ids + passages[0].continuation_ids))
+    assert first == essay_text(1)[:55]
