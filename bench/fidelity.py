@@ -165,23 +165,50 @@ def accuracy(report: dict[str, Any], kvpress: dict[str, Any] | None) -> dict[str
             "prompts": len(full["answers"])}
 
 
-def language_model(report: dict[str, Any]) -> dict[str, Any]:
+def language_model(report: dict[str, Any], kvpress_lm: dict[str, Any] | None) -> dict[str, Any]:
     """Per system, token-weighted over the passages: perplexity and top-1 accuracy on the real
     text, agreement with the full cache's greedy continuation, and perplexity relative to the
-    full cache's."""
+    full cache's; then kvpress's rows from its own run on the same passages."""
     systems = [s for s in report["systems"] if s["error"] is None and s["lm"]]
     full = next((s for s in systems if s["name"] == FULL), None)
     if full is None:
         return {}
-    full_ppl = teacher_forced.summarize(full["lm"], "real").perplexity
-    rows = []
-    for system in systems:
-        real = teacher_forced.summarize(system["lm"], "real")
-        greedy = teacher_forced.summarize(system["lm"], "full_greedy")
-        rows.append({"system": system["name"], "budget": system["budget"], "tokens": real.tokens,
-                     "perplexity": real.perplexity, "perplexity_ratio": real.perplexity / full_ppl,
-                     "top1_real": real.top1_rate, "agreement_with_full": greedy.top1_rate})
+    rows = [_lm_row(system["name"], system["budget"], system["lm"], full["lm"]) for system in systems]
+    if kvpress_lm is not None:
+        theirs = kvpress_lm["systems"]
+        rows += [_lm_row(f"kvpress {name}", int(name.rsplit("-", 1)[1]), per_passage, theirs[FULL])
+                 for name, per_passage in theirs.items()
+                 if name != FULL and int(name.rsplit("-", 1)[1]) in report["settings"]["budgets"]]
     return {"passages": len(full["lm"]), "rows": rows}
+
+
+def _lm_row(name: str, budget: int | None, per_passage: dict[str, Any],
+            full: dict[str, Any]) -> dict[str, Any]:
+    """One system's totals; its perplexity ratio is to `full` (that run's full cache) on the same
+    passages (kvpress skips passages no longer than its budget)."""
+    real = teacher_forced.summarize(per_passage, "real")
+    greedy = teacher_forced.summarize(per_passage, "full_greedy")
+    full_ppl = teacher_forced.summarize({pid: full[pid] for pid in per_passage}, "real").perplexity
+    return {"system": name, "budget": budget, "tokens": real.tokens, "perplexity": real.perplexity,
+            "perplexity_ratio": real.perplexity / full_ppl, "top1_real": real.top1_rate,
+            "agreement_with_full": greedy.top1_rate}
+
+
+def load_kvpress_lm(path: Path, passages: list[continuations.Passage]) -> dict[str, Any] | None:
+    """kvpress's teacher-forced scores of these passages, by system then passage; None (said
+    why) when its report did not score all of them."""
+    report = json.loads(path.read_text())
+    by_id = {p["passage_id"]: p for p in report["passages"]}
+    same = all(p.passage_id in by_id and by_id[p.passage_id]["context_tokens"] == len(p.context_ids)
+               for p in passages) and report["settings"]["continuation_len"] == len(passages[0].continuation_ids)
+    if not same:
+        say(f"{path.name} scored other passages: no kvpress rows in the language-model table")
+        return None
+    systems: dict[str, dict[str, Any]] = {}
+    for passage in passages:
+        for name, scores in by_id[passage.passage_id]["scores"].items():
+            systems.setdefault(name, {})[passage.passage_id] = scores
+    return {"path": path.name, "systems": systems}
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -252,11 +279,16 @@ def lm_markdown(report: dict[str, Any]) -> list[str]:
         f"{settings['lm_continuation_len']} forced tokens (the first predicted by the prefill, the "
         "rest by decode steps over the sparse layers' kept entries, evicting as they grow). "
         "Perplexity and top-1 accuracy are on the essay's real next tokens; agreement is the share "
-        "of steps whose top token is the full cache's own greedy token, forced on that continuation.",
+        "of steps whose top token is the full cache's own greedy token, forced on that continuation. "
+        "*vs full* is the perplexity ratio to the full cache of the same run on the same passages.",
         "",
     ]
     if not lm:
         return lines + ["The full-cache run failed; no scores.", ""]
+    if report.get("kvpress_lm"):
+        lines += [f"kvpress rows: `{report['kvpress_lm']}` (Hugging Face transformers, the same passages; "
+                  "kvpress compresses the context at prefill and never evicts while decoding, and its "
+                  "agreement is with its own full cache's greedy continuation).", ""]
     lines += ["| system | budget | tokens | perplexity | vs full | top-1 (real text) | agreement with full |",
               "|---|---|---|---|---|---|---|"]
     for row in lm["rows"]:
@@ -285,20 +317,21 @@ def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
                 ys = [cells[str(b)]["correct"] / max(cells[str(b)]["evaluated"], 1) for b in xs]
                 axis.plot(xs, ys, marker="o", linestyle="-" if method.startswith("project") else "--",
                           label=method)
-            axis.set(ylabel="retrieval accuracy", title="Retrieval (prompts both full caches solve)")
+            axis.set(ylabel="retrieval accuracy", title="Retrieval (prompts both full caches solve)",
+                     ylim=(-0.05, 1.05))
         else:
             rows = [r for r in report["language_model"]["rows"] if r["budget"] is not None]
             for variant in dict.fromkeys(r["system"].rsplit("-", 1)[0] for r in rows):
                 mine = sorted((r for r in rows if r["system"].rsplit("-", 1)[0] == variant),
                               key=lambda r: r["budget"])
                 xs = [r["budget"] for r in mine]
-                axis.plot(xs, [r["agreement_with_full"] for r in mine], marker="o",
+                style = "--" if variant.startswith("kvpress") else "-"
+                axis.plot(xs, [r["agreement_with_full"] for r in mine], marker="o", linestyle=style,
                           label=f"{variant}: agreement with full")
-                axis.plot(xs, [1 / r["perplexity_ratio"] for r in mine], marker="s", linestyle=":",
-                          label=f"{variant}: full ppl / ppl")
-            axis.set(ylabel="share", title="Real text, teacher-forced decode")
+            axis.set(ylabel="next-token agreement with the full cache",
+                     title="Real text, teacher-forced decode")
         axis.axhline(1.0, color="gray", linewidth=0.8, label="full cache")
-        axis.set(xscale="log", xlabel="budget (tokens kept per sparse layer)", ylim=(-0.05, 1.05))
+        axis.set(xscale="log", xlabel="budget (tokens kept per sparse layer)")
         axis.set_xticks(budgets, [str(b) for b in budgets])
         axis.minorticks_off()
         axis.grid(True, alpha=0.3)
@@ -309,22 +342,41 @@ def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
     plt.close(fig)
 
 
-def write_report(paths: ReportPaths, report: dict[str, Any], kvpress: dict[str, Any] | None) -> None:
+def write_report(paths: ReportPaths, report: dict[str, Any], kvpress: dict[str, Any] | None,
+                 kvpress_lm: dict[str, Any] | None) -> None:
     tokens = {pid: a["prompt_tokens"] for s in report["systems"] for pid, a in s["answers"].items()}
     report["prompt_tokens"] = tokens
     if tokens:
         report["settings"].update(prompt_tokens_min=min(tokens.values()),
                                   prompt_tokens_max=max(tokens.values()))
     report["accuracy"] = accuracy(report, kvpress)
-    report["language_model"] = language_model(report)
+    report["language_model"] = language_model(report, kvpress_lm)
     write_json(paths, report)
     paths.markdown.write_text(markdown(report))
     write_plot(paths, report)
 
 
-def latest_kvpress_report() -> Path | None:
-    reports = sorted(RESULTS_DIR.glob("fidelity-kvpress-*.json"))
+def latest_report(prefix: str) -> Path | None:
+    """The newest `<prefix>-<date>.json` in bench/results."""
+    reports = sorted(RESULTS_DIR.glob(f"{prefix}-[0-9]*.json"))
     return reports[-1] if reports else None
+
+
+#: Report fields that must be equal for `--resume` to reuse an earlier run's systems.
+_RUN_IDENTITY = ("server_args", "settings", "prompt_ids", "passage_ids", "kvpress", "kvpress_lm")
+
+
+def resumable(paths: ReportPaths, report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The systems of an earlier run of the same settings that ran without error, by name, and
+    its full cache's greedy continuations (into `report`); nothing when there is no such run."""
+    if not paths.json.is_file():
+        return {}
+    earlier = json.loads(paths.json.read_text())
+    earlier["settings"] = {k: v for k, v in earlier["settings"].items() if not k.startswith("prompt_tokens_")}
+    if any(earlier.get(key) != report.get(key) for key in _RUN_IDENTITY):
+        raise SystemExit(f"--resume: {paths.json} was run with other settings; move it away or drop --resume")
+    report["full_greedy_continuations"] = earlier["full_greedy_continuations"]
+    return {s["name"]: s for s in earlier["systems"] if s["error"] is None}
 
 
 def _ints(text: str) -> list[int]:
@@ -336,8 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated, of {SUITES}")
     parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)))
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--kvpress", type=Path, default=latest_kvpress_report(),
-                        help="kvpress report to compare with (default: the latest in bench/results)")
+    parser.add_argument("--kvpress", type=Path, default=latest_report("fidelity-kvpress"),
+                        help="kvpress retrieval report to compare with (default: the latest in bench/results)")
+    parser.add_argument("--kvpress-lm", type=Path, default=latest_report("fidelity-kvpress-lm"),
+                        help="kvpress language-model report (default: the latest in bench/results)")
     parser.add_argument("--no-kvpress", action="store_true", help="compare with nothing external")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--limit", type=int, help="only the first N retrieval prompts (a quick look)")
@@ -350,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lm-continuation", type=int, default=continuations.DEFAULT_CONTINUATION_LEN,
                         help="forced tokens per passage")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the systems today's report measured without error; run the rest")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     budgets = sorted(_ints(args.budgets))
@@ -374,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir, load_args = prepare_model(SETTINGS, log_dir)
     passages = (teacher_forced.build_passages(model_dir, args.lm_context_lens, args.lm_passages,
                                               args.lm_continuation) if "lm" in suites else [])
+    kvpress_lm = None
+    if passages and not args.no_kvpress and args.kvpress_lm is not None:
+        kvpress_lm = load_kvpress_lm(args.kvpress_lm, passages)
     shared = shared_server_args(SETTINGS, model_dir, load_args) + list(teacher_forced.SERVER_FLAGS)
     report: dict[str, Any] = {
         "benchmark": "fidelity", "date": date, "machine": machine(),
@@ -383,18 +442,24 @@ def main(argv: list[str] | None = None) -> int:
                      "lm_passages_per_len": args.lm_passages, "lm_continuation_len": args.lm_continuation},
         "prompt_ids": [p.prompt_id for p in prompts], "answers": [p.answer for p in prompts],
         "passage_ids": [p.passage_id for p in passages], "full_greedy_continuations": {},
-        "kvpress": kvpress and {k: v for k, v in kvpress.items() if k != "prompts"}, "systems": [],
+        "kvpress": kvpress and {k: v for k, v in kvpress.items() if k != "prompts"},
+        "kvpress_lm": kvpress_lm and kvpress_lm["path"], "systems": [],
     }
     plan = [(FULL, FULL_FLAGS, None)] + [
         (f"{variant}-{budget}", VARIANTS[variant](budget), budget)
         for variant in variants for budget in budgets]
     say(f"{len(prompts)} prompts, {len(passages)} passages; {len(plan)} servers: "
         f"{', '.join(name for name, _, _ in plan)}")
+    done = resumable(paths, report) if args.resume else {}
     for name, flags, budget in plan:
+        if name in done:
+            say(f"[{name}] kept from {paths.json.name}")
+            report["systems"].append(done[name])
+            continue
         system = run_system(name, flags, shared, prompts, passages, report["full_greedy_continuations"],
                             budget, log_dir, args.max_new_tokens)
         report["systems"].append(system)
-        write_report(paths, report, kvpress)
+        write_report(paths, report, kvpress, kvpress_lm)
         if name == FULL and system["error"] is not None:
             say("the full cache failed: nothing to compare with")
             break

@@ -34,6 +34,19 @@ class ServerStartError(RuntimeError):
     """The server exited or did not become healthy in time; the message ends with its log tail."""
 
 
+class PortTaken(ServerStartError):
+    """Another process bound the server's port between `free_port` and the server's start.
+
+    Seen in a fidelity run: SGLang logged "address already in use", then waited forever in
+    "Waiting for application shutdown" instead of exiting."""
+
+
+#: How SGLang's HTTP server (uvicorn) reports a port someone else holds.
+_PORT_TAKEN = "address already in use"
+#: Starts tried, each on a fresh port, when the port was taken.
+PORT_ATTEMPTS = 3
+
+
 def free_port() -> int:
     """A TCP port that is free now (the OS picks it), so parallel runs never collide."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -101,7 +114,23 @@ class ServerProcess:
         self.stop()
 
     def start(self) -> None:
-        """Launch, stream output to the log file, and block until ``/health`` answers 200."""
+        """Launch, stream output to the log file, and block until ``/health`` answers 200; when
+        another process took the port first, start again on a fresh one."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return self._start_once()
+            except PortTaken:
+                if attempt == PORT_ATTEMPTS:
+                    raise
+                self._move_to(free_port())
+                self.progress(f"[{self.name}] port taken by another process; retrying on {self.port}")
+
+    def _move_to(self, port: int) -> None:
+        command = list(self.command)
+        command[command.index("--port") + 1] = str(port)
+        self.command, self.port = command, port
+
+    def _start_once(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(
@@ -126,6 +155,8 @@ class ServerProcess:
             self._remember_tree()
             if self._proc.poll() is not None:
                 raise ServerStartError(self._failure(f"exited with code {self._proc.returncode}"))
+            if _PORT_TAKEN in log_tail(self.log_path, 5):
+                raise PortTaken(self._failure(f"could not bind port {self.port}"))
             try:
                 if requests.get(f"{self.base_url}/health", timeout=5).status_code == 200:
                     self.startup_s = time.monotonic() - started

@@ -56,3 +56,29 @@ def test_ratio_is_project_over_stock_and_none_when_unmeasured() -> None:
 
 def test_no_ratios_when_the_baseline_did_not_run() -> None:
     assert report.ratio_rows([_system("p", 15.0, 1.0)], "stock") == []
+
+
+# What uvicorn printed when another process held SGLang's port; the server then hung.
+_PORT_TAKEN_SERVER = """
+import sys, time
+print("ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', %s): "
+      "address already in use" % sys.argv[sys.argv.index("--port") + 1], flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_taken_port_is_detected_and_retried_on_fresh_ports(tmp_path: Path) -> None:
+    lines: list[str] = []
+    proc = server.ServerProcess(
+        name="fake", command=[sys.executable, "-c", _PORT_TAKEN_SERVER, "--port", "1"], env={},
+        port=1, log_path=tmp_path / "fake.log", startup_timeout_s=60, progress=lines.append,
+    )
+    try:
+        proc.start()
+    except server.PortTaken as exc:
+        assert "could not bind port" in str(exc)
+    else:
+        raise AssertionError("the fake server never serves")
+    retries = [line for line in lines if "retrying" in line]
+    assert len(retries) == server.PORT_ATTEMPTS - 1 and proc.port != 1
+    assert proc.command[-1] == str(proc.port)
