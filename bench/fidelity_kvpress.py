@@ -278,8 +278,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], list[int]]:
+    """Set torch's threads and quiet transformers; return the model folder and the checked
+    --methods and --budgets (exits with a one-line error: 1 without the model, 2 for bad input).
+    Shared with bench/fidelity_kvpress_lm.py."""
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -287,13 +289,18 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = Path(args.model) if args.model else ensure_default_model()
     except ModelUnavailableError as exc:
         print(f"error: {exc}; run scripts/setup.sh first (it converts the model)", file=sys.stderr)
-        return 1
+        raise SystemExit(1) from None
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         print(f"error: unknown --methods {unknown}; choose from {list(METHODS)}", file=sys.stderr)
-        return 2
-    budgets = sorted(int(b) for b in args.budgets.split(","))
+        raise SystemExit(2)
+    return model_dir, methods, sorted(int(b) for b in args.budgets.split(","))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir, methods, budgets = prepare_run(args)
     lengths = [int(n) for n in args.lengths.split(",")]
     depths = [float(d) for d in args.depths.split(",")]
 

@@ -29,13 +29,19 @@ from typing import Any
 
 import torch
 from common.report import ReportPaths, write_json
-from fidelity_kvpress import DEFAULT_BUDGETS, METHODS, check_fan_out, compression_ratio, greedy, prefill_fan_out
+from fidelity_kvpress import (
+    DEFAULT_BUDGETS,
+    METHODS,
+    check_fan_out,
+    compression_ratio,
+    greedy,
+    prefill_fan_out,
+    prepare_run,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
-from transformers.utils import logging as hf_logging
 
 from sglang_kvsparse import continuations
 from sglang_kvsparse.continuations import ForcedScore, total
-from sglang_kvsparse.models import ModelUnavailableError, ensure_default_model
 
 FULL = "full"
 
@@ -138,20 +144,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        model_dir = Path(args.model) if args.model else ensure_default_model()
-    except ModelUnavailableError as exc:
-        print(f"error: {exc}; run scripts/setup.sh first (it converts the model)", file=sys.stderr)
-        return 1
-    methods = args.methods.split(",")
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        print(f"error: unknown --methods {unknown}; choose from {list(METHODS)}", file=sys.stderr)
-        return 2
-    budgets = sorted(int(b) for b in args.budgets.split(","))
+    model_dir, methods, budgets = prepare_run(args)
     context_lens = [int(n) for n in args.context_lens.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     passages = continuations.tokenized_essay_passages(tokenizer, context_lens, args.passages, args.continuation)
