@@ -162,7 +162,7 @@ def kept_per_layer(cache: DynamicCache) -> list[int]:
     return [layer.keys.shape[-2] for layer in cache.layers]
 
 
-def accuracy_rows(prompts: list[dict[str, Any]], budgets: list[int]) -> list[dict[str, Any]]:
+def accuracy_rows(prompts: list[dict[str, Any]], methods: list[str], budgets: list[int]) -> list[dict[str, Any]]:
     """Per suite (and all): full-cache rate, then per method and budget over the solved prompts."""
     rows = []
     for suite in sorted({p["suite"] for p in prompts}) + ["all"]:
@@ -174,7 +174,7 @@ def accuracy_rows(prompts: list[dict[str, Any]], budgets: list[int]) -> list[dic
             "full_correct": len(solved),
             "methods": {},
         }
-        for method in METHODS:
+        for method in methods:
             per_budget = {}
             for budget in budgets:
                 runs = [p["methods"][method].get(str(budget)) for p in solved]
@@ -191,6 +191,7 @@ def accuracy_rows(prompts: list[dict[str, Any]], budgets: list[int]) -> list[dic
 def markdown(report: dict[str, Any]) -> str:
     """Accuracy tables: a cell is correct / evaluated, over prompts the full cache solves."""
     budgets = report["settings"]["budgets"]
+    methods = list(report["settings"]["press_parameters"])
     lines = [
         f"# Retrieval fidelity, NVIDIA kvpress {report['settings']['kvpress']} "
         f"({report['date']})",
@@ -227,13 +228,13 @@ def markdown(report: dict[str, Any]) -> str:
         "## Per prompt",
         "",
         "| prompt | tokens | answer | full | "
-        + " | ".join(f"{m} {b}" for m in METHODS for b in budgets)
+        + " | ".join(f"{m} {b}" for m in methods for b in budgets)
         + " |",
-        "|---|---|---|---|" + "---|" * (len(METHODS) * len(budgets)),
+        "|---|---|---|---|" + "---|" * (len(methods) * len(budgets)),
     ]
     for p in report["prompts"]:
         marks = []
-        for method in METHODS:
+        for method in methods:
             for budget in budgets:
                 run = p["methods"][method].get(str(budget))
                 marks.append("—" if run is None else ("✓" if run["correct"] else "✗"))
@@ -255,7 +256,7 @@ def write_report(paths: ReportPaths, report: dict[str, Any]) -> None:
         "prompt_tokens_min": min(tokens),
         "prompt_tokens_max": max(tokens),
     }
-    report["accuracy"] = accuracy_rows(prompts, budgets)
+    report["accuracy"] = accuracy_rows(prompts, list(report["settings"]["press_parameters"]), budgets)
     write_json(paths, report)
     paths.markdown.write_text(markdown(report))
 
