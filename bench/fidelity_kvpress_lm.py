@@ -69,13 +69,9 @@ def forced_records(model: PreTrainedModel, first_logits: torch.Tensor, cache: Dy
 def scores(model: PreTrainedModel, first_logits: torch.Tensor, cache: DynamicCache, context_len: int,
            real: list[int], greedy_ids: list[int]) -> dict[str, dict[str, float]]:
     return {
-        reference: score_json(ForcedScore.of(forced_records(model, first_logits, cache, context_len, ids), ids))
+        reference: ForcedScore.of(forced_records(model, first_logits, cache, context_len, ids), ids).to_json()
         for reference, ids in (("real", real), ("full_greedy", greedy_ids))
     }
-
-
-def score_json(score: ForcedScore) -> dict[str, float]:
-    return {"tokens": score.tokens, "nll": score.nll, "top1_matches": score.top1_matches}
 
 
 def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -88,19 +84,15 @@ def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
         passages = [p for p in report["passages"] if system in p["scores"]]
         if not passages:
             continue
-        real, greedy_score = (total([_score(p["scores"][system][ref]) for p in passages])
+        real, greedy_score = (total([ForcedScore.from_json(p["scores"][system][ref]) for p in passages])
                               for ref in ("real", "full_greedy"))
-        full = total([_score(p["scores"][FULL]["real"]) for p in passages])
+        full = total([ForcedScore.from_json(p["scores"][FULL]["real"]) for p in passages])
         method, _, budget = system.partition("-")
         rows.append({"system": f"kvpress {system}" if budget else FULL, "method": method,
                      "budget": int(budget) if budget else None, "passages": len(passages), "tokens": real.tokens,
                      "perplexity": real.perplexity, "perplexity_ratio": real.perplexity / full.perplexity,
                      "top1_real": real.top1_rate, "agreement_with_full": greedy_score.top1_rate})
     return rows
-
-
-def _score(record: dict[str, float]) -> ForcedScore:
-    return ForcedScore(int(record["tokens"]), record["nll"], int(record["top1_matches"]))
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -45,8 +45,8 @@ def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any
         setattr(adder, _ROUND, round_)
     need = final_len(req, context_len)
     prefix = prefix_ids(adder.tree_cache, req)
-    token_ids = req.origin_input_ids + req.output_ids
-    if state.stores and round_.should_wait(token_ids, req.prefix_len):
+    token_ids = req.origin_input_ids + req.output_ids if state.stores else ()
+    if token_ids and round_.should_wait(token_ids, req.prefix_len):
         return AddReqResult.OTHER  # ends this round's admission; first in line for the next
     if not round_.fits(need, prefix):
         return AddReqResult.NO_TOKEN

@@ -100,6 +100,15 @@ class ForcedScore:
         matches = sum(int(top) == int(token) for (_, top), token in zip(records, forced_ids))
         return cls(len(records), nll, matches)
 
+    @classmethod
+    def from_json(cls, record: dict[str, float]) -> ForcedScore:
+        """Back from `to_json` (the derived rates are recomputed)."""
+        return cls(int(record["tokens"]), float(record["nll"]), int(record["top1_matches"]))
+
+    def to_json(self) -> dict[str, float]:
+        return {"tokens": self.tokens, "nll": self.nll, "top1_matches": self.top1_matches,
+                "perplexity": self.perplexity, "top1_rate": self.top1_rate}
+
     def __add__(self, other: ForcedScore) -> ForcedScore:
         return ForcedScore(self.tokens + other.tokens, self.nll + other.nll, self.top1_matches + other.top1_matches)
 

@@ -310,6 +310,7 @@ class SparseState:
         self.prefix_tokens_reused += sum(prefix_lens)
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         new_cpu = None if new_ids is None else new_ids.to("cpu", torch.int64)
+        prefix_cpu = [ids.to("cpu") for ids in prefix_ids] if self.stores else []
         groups = []
         for group, (index_map, budget) in enumerate(zip(self.maps, self.budgets)):
             lengths = [index_map.length(row) for row in rows]
@@ -320,7 +321,7 @@ class SparseState:
             compress = any(n > budget for n in seq_lens)
             prefix_slots = store_slots = None
             if self.stores:
-                prefix_slots, store_slots = self._use_store(self.stores[group], rows, prefix_ids, new_cpu)
+                prefix_slots, store_slots = self._use_store(self.stores[group], rows, prefix_cpu, new_cpu)
             groups.append(
                 GroupPlan(self._to_device(_indptr(lengths)), indices, indices, budget, compress,
                           prefix_slots=prefix_slots, store_slots=store_slots)
@@ -342,11 +343,12 @@ class SparseState:
     def _use_store(
         self, store: PrefixStore, rows: Sequence[int], prefix_ids: Sequence[torch.Tensor], new_ids: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the prefixes' store slots, the new tokens' store slots) of one group, on the device."""
+        """(the prefixes' store slots, the new tokens' store slots) of one group, on the device;
+        `prefix_ids` and `new_ids` on the CPU."""
         if new_ids is None or len(prefix_ids) != len(rows):
             raise IndexMapError("a prefill with the prefix store needs every row's prefix ids and the new ids")
         store.invalidate(new_ids)
-        parts = [store.lookup(ids.to("cpu")) for ids in prefix_ids]
+        parts = [store.lookup(ids) for ids in prefix_ids]
         prefix_slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         if bool((prefix_slots == 0).any()):
             raise IndexMapError("a matched prefix lost its store entries before its prefill (not pinned?)")
@@ -361,8 +363,9 @@ class SparseState:
         if self.stores:
             if new_ids is None:
                 raise IndexMapError("a decode with the prefix store needs the new tokens' ids")
+            new_cpu = new_ids.to("cpu")
             for store in self.stores:
-                store.invalidate(new_ids.to("cpu"))
+                store.invalidate(new_cpu)
         groups = []
         for index_map, budget, evictions in zip(self.maps, self.budgets, self._evictions):
             lengths = [index_map.length(row) for row in rows]

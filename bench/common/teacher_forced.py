@@ -75,17 +75,11 @@ def run_lm_suite(base_url: str, passages: Sequence[Passage], references: dict[st
         scores = pool.map(lambda job: forced_score(base_url, job[2], job[3]), jobs)
         results: dict[str, dict[str, dict[str, float]]] = {}
         for (passage_id, reference, _, _), score in zip(jobs, scores):
-            results.setdefault(passage_id, {})[reference] = score_json(score)
+            results.setdefault(passage_id, {})[reference] = score.to_json()
             progress(f"{passage_id} {reference}: ppl {score.perplexity:.2f}, top-1 {score.top1_rate:.3f}")
     return results
 
 
-def score_json(score: ForcedScore) -> dict[str, float]:
-    return {"tokens": score.tokens, "nll": score.nll, "top1_matches": score.top1_matches,
-            "perplexity": score.perplexity, "top1_rate": score.top1_rate}
-
-
 def summarize(per_passage: dict[str, dict[str, dict[str, float]]], reference: str) -> ForcedScore:
     """Token-weighted total over the passages for one reference ("real" or "full_greedy")."""
-    return total([ForcedScore(int(p[reference]["tokens"]), p[reference]["nll"], int(p[reference]["top1_matches"]))
-                  for p in per_passage.values() if reference in p])
+    return total([ForcedScore.from_json(p[reference]) for p in per_passage.values() if reference in p])

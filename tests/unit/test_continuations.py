@@ -34,6 +34,7 @@ def test_forced_scores_sum_over_tokens_and_passages():
     assert score.perplexity == pytest.approx(math.exp((math.log(2) + math.log(4)) / 3))
     both = total([score, ForcedScore.of([[math.log(0.5), 1]], [1])])
     assert both.tokens == 4 and both.top1_matches == 3 and both.nll == pytest.approx(4 * math.log(2))
+    assert ForcedScore.from_json(score.to_json()) == score
     with pytest.raises(ValueError, match="records"):
         ForcedScore.of(records[:2], forced)
     assert math.isnan(total([]).perplexity)
