@@ -1,12 +1,15 @@
-"""Capacity benchmark: at a fixed KV pool, how many requests of one length run at once.
+"""Capacity benchmark: at a fixed KV budget, how many requests run at once, at several lengths.
 
-Why: sparsity keeps fewer KV entries per request, so the same memory should admit more requests.
-For each system (stock SGLang, then each project variant) this starts the server with the same
-``--max-total-tokens``, sends more requests at once than the dense pool can hold (SGLang's own
-client, all at one max concurrency), and reports the most requests that ran at once (the
-server's ``#running-req`` log lines), the dense pool's own limit for comparison, and the KV bytes
-per request and per layer: from the server's ``GET /kvsparse/stats`` when it answers, else dense.
-Writes ``<out-dir>/capacity-<profile>-<date>.json`` and ``.md``; logs in ``...-logs/``.
+Why: sparsity keeps fewer KV entries per request, so the same memory should admit more requests,
+and with one KV heap it should never admit fewer than stock SGLang at any length. For each
+system (stock SGLang, then each project variant) this starts the server once with the same
+``--max-total-tokens``, and for each workload sends more requests at once than stock can hold
+(SGLang's own client; a mixed workload runs one client per kind of request at the same time),
+then reads the most requests that ran at once from the server's ``#running-req`` log lines, and
+the KV bytes per request from ``GET /kvsparse/stats`` where the server answers it. Beside each
+measured ratio it shows the equal-bytes bound: what the project's heap layout admits per stock
+request at that length (`sglang_kvsparse.layout.capacity_ratio`, with the scores' bytes).
+Writes ``<out-dir>/capacity-<profile>-<date>.json``, ``.md`` and ``.png``; logs in ``...-logs/``.
 
 Usage: .venv/bin/python bench/capacity.py --profile NAME [--out-dir DIR]   (names: PROFILES)
 """
@@ -18,14 +21,16 @@ import datetime as dt
 import json
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import requests
 from common.client import ClientError, KvStatsPoller, Workload, run_client
 from common.models import kv_bytes_per_token
 from common.report import ReportPaths, write_json
-from common.server import ServerStartError, peak_running_requests
+from common.server import ServerProcess, ServerStartError, peak_running_requests
 from common.systems import (
     STOCK,
     ServerSettings,
@@ -38,33 +43,57 @@ from common.systems import (
 )
 from serving_profiles import PROJECT_BUDGET_256, PROJECT_DEFAULT, PROJECT_OFF, Variant
 
+from sglang_kvsparse.accounting import score_bytes
+from sglang_kvsparse.layout import HeapLayout, capacity_ratio
+from sglang_kvsparse.options import add_sparsity_arguments, sparsity_from_args
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 @dataclass(frozen=True)
+class Part:
+    """`count` requests of `input_len` + `output_len` tokens, sent at once."""
+
+    input_len: int
+    output_len: int
+    count: int
+
+
+@dataclass(frozen=True)
+class CapacityWorkload:
+    """Requests sent together; one part is one length, several make a mixed workload."""
+
+    name: str
+    parts: tuple[Part, ...]
+
+    @property
+    def length(self) -> int | None:
+        """The requests' final length when they all have one (None for a mix)."""
+        lengths = {part.input_len + part.output_len for part in self.parts}
+        return lengths.pop() if len(lengths) == 1 else None
+
+
+@dataclass(frozen=True)
 class CapacityProfile:
-    """A fixed pool and request length; ``num_requests`` should exceed the dense pool's limit."""
+    """A fixed KV budget, the workloads sent to it, and the project's variants."""
 
     name: str
     description: str
     server: ServerSettings
-    input_len: int
-    output_len: int
-    num_requests: int
+    workloads: tuple[CapacityWorkload, ...]
     variants: tuple[Variant, ...]
     client_timeout_s: float
     seed: int = 1
 
-    @property
-    def dense_limit(self) -> int:
-        """Requests a dense pool can hold at their final length (before SGLang's reserves)."""
-        return self.server.max_total_tokens // (self.input_len + self.output_len)
+
+def _cpu_server(max_total_tokens: int, model: str = "default", shape: str = "full") -> ServerSettings:
+    return ServerSettings(model=model, device="cpu", dtype="float32", max_total_tokens=max_total_tokens,
+                          mem_fraction_static=None, decode_log_interval=1, startup_timeout_s=900.0,
+                          shape=shape)
 
 
-def _cpu_server(max_total_tokens: int) -> ServerSettings:
-    return ServerSettings(model="default", device="cpu", dtype="float32",
-                          max_total_tokens=max_total_tokens, mem_fraction_static=None,
-                          decode_log_interval=1, startup_timeout_s=900.0)
+def _one(input_len: int, output_len: int, count: int) -> CapacityWorkload:
+    return CapacityWorkload(f"{input_len}", (Part(input_len, output_len, count),))
 
 
 PROFILES: dict[str, CapacityProfile] = {
@@ -72,34 +101,52 @@ PROFILES: dict[str, CapacityProfile] = {
     for profile in (
         CapacityProfile(
             name="smoke",
-            description="Tiny capacity check: 10 requests of 300 + 32 tokens into a "
-            "2,048-token pool.",
+            description="Tiny capacity check: 10 requests of 300 + 32 tokens into a 2,048-token pool.",
             server=_cpu_server(2048),
-            input_len=300,
-            output_len=32,
-            num_requests=10,
+            workloads=(_one(300, 32, 10),),
             variants=(Variant("project", PROJECT_OFF),),
             client_timeout_s=600.0,
         ),
         CapacityProfile(
             name="sparse-4k",
-            description="Sparse capacity check (run by the test suite): 8 requests of 4,000 + "
-            "32 tokens into the KV bytes of an 8,192-token dense pool (2 dense requests).",
+            description="Sparse capacity check (run by the test suite): 8 requests of 4,000 + 32 tokens "
+            "into the KV bytes of an 8,192-token dense pool (2 dense requests).",
             server=_cpu_server(8192),
-            input_len=4000,
-            output_len=32,
-            num_requests=8,
+            workloads=(_one(4000, 32, 8),),
             variants=(Variant("budget-256", PROJECT_BUDGET_256),),
             client_timeout_s=1200.0,
         ),
         CapacityProfile(
+            name="heap",
+            description="The one KV heap against stock at every length (default model, the KV bytes "
+            "of an 8,192-token dense pool): 256, 1,000 and 4,000-token prompts, and short chats "
+            "beside 4,000-token documents, 32 output tokens each.",
+            server=_cpu_server(8192),
+            workloads=(
+                _one(256, 32, 40),
+                _one(1000, 32, 12),
+                _one(4000, 32, 8),
+                CapacityWorkload("mixed", (Part(256, 32, 24), Part(4000, 32, 4))),
+            ),
+            variants=(Variant("default", PROJECT_DEFAULT),),
+            client_timeout_s=2400.0,
+        ),
+        CapacityProfile(
+            name="heap-llama",
+            description="Llama-3.1-8B's KV shape (32 layers, 8 KV heads, head dim 128, 131,072-token "
+            "context; dummy weights, tiny hidden size) in the KV bytes of a 16,384-token dense pool: "
+            "512 and 4,000-token prompts, 32 output tokens each.",
+            server=_cpu_server(16384, model="llama-3.1-8b", shape="kv"),
+            workloads=(_one(512, 32, 40), _one(4000, 32, 16)),
+            variants=(Variant("default", PROJECT_DEFAULT),),
+            client_timeout_s=3600.0,
+        ),
+        CapacityProfile(
             name="cpu",
-            description="Default model on the CPU: 24 requests of 2,000 + 128 tokens into the KV "
-            "bytes of a 16,384-token dense pool (7 dense requests).",
+            description="Default model on the CPU: 24 requests of 2,000 + 128 tokens into the KV bytes "
+            "of a 16,384-token dense pool (7 dense requests).",
             server=_cpu_server(16384),
-            input_len=2000,
-            output_len=128,
-            num_requests=24,
+            workloads=(_one(2000, 128, 24),),
             variants=(Variant("default", PROJECT_DEFAULT), Variant("budget-256", PROJECT_BUDGET_256)),
             client_timeout_s=3600.0,
         ),
@@ -111,38 +158,86 @@ def say(message: str) -> None:
     print(f"[capacity] {message}", flush=True)
 
 
-def measure_system(name: str, flags: tuple[str, ...], shared: list[str],
-                   profile: CapacityProfile, log_dir: Path, bytes_per_token: int,
-                   num_layers: int) -> dict[str, Any]:
-    """One system: start, send every request at once, read the peak, stop."""
-    row: dict[str, Any] = {"name": name, "launcher": launcher_of(name), "flags": list(flags),
-                           "error": None}
-    workload = Workload(profile.input_len, profile.output_len, profile.num_requests,
-                        profile.num_requests, profile.seed)
-    dense_bytes = (profile.input_len + profile.output_len) * bytes_per_token
+def run_workload(server: ServerProcess, name: str, workload: CapacityWorkload, profile: CapacityProfile,
+                 log_dir: Path, bytes_per_token: int, num_layers: int) -> dict[str, Any]:
+    """Send one workload's parts at once; its peak running requests and KV bytes per request."""
+    requests.post(f"{server.base_url}/flush_cache", timeout=120).raise_for_status()
+    bookmark = server.log_size()
+    mixed = len(workload.parts) > 1
+    clients = [
+        Workload(part.input_len, part.output_len, part.count, part.count, profile.seed + i, flush_cache=not mixed)
+        for i, part in enumerate(workload.parts)
+    ]
+    tag = f"{name}-{workload.name}"
+    with KvStatsPoller(server.base_url) as poller, ThreadPoolExecutor(len(clients)) as pool:
+        results = list(pool.map(
+            lambda item: run_client(server.base_url, item[1], result_file=log_dir / f"client-{tag}-{item[0]}.jsonl",
+                                    log_path=log_dir / f"client-{tag}.log", timeout_s=profile.client_timeout_s),
+            enumerate(clients),
+        ))
+    parts = workload.parts
+    dense_bytes = sum((p.input_len + p.output_len) * p.count for p in parts) / sum(p.count for p in parts)
+    kv_bytes, source = poller.bytes_per_request(dense_bytes * bytes_per_token)
+    layer_token_bytes = bytes_per_token / num_layers
+    return {
+        "workload": workload.name,
+        "sent": sum(part.count for part in parts),
+        "completed": sum(result["completed"] for result in results),
+        "peak_running": peak_running_requests(server.log_since(bookmark)),
+        "kv_bytes_per_request": kv_bytes,
+        "kv_bytes_per_request_per_layer": {
+            kind: slots * layer_token_bytes for kind, slots in poller.layer_slots_per_request.items()
+        } or {"every": kv_bytes / num_layers},
+        "kv_bytes_source": source,
+    }
+
+
+def measure_system(name: str, flags: tuple[str, ...], shared: list[str], profile: CapacityProfile,
+                   log_dir: Path, bytes_per_token: int, num_layers: int) -> dict[str, Any]:
+    """One system: start it, run every workload, stop it."""
+    row: dict[str, Any] = {"name": name, "launcher": launcher_of(name), "flags": list(flags), "error": None,
+                           "runs": []}
     try:
         with server_for(name, flags, shared, profile.server, log_dir, say) as server:
-            bookmark = server.log_size()
-            with KvStatsPoller(server.base_url) as poller:
-                result = run_client(server.base_url, workload,
-                                    result_file=log_dir / f"client-{name}.jsonl",
-                                    log_path=log_dir / f"client-{name}.log",
-                                    timeout_s=profile.client_timeout_s)
-            kv_bytes, source = poller.bytes_per_request(dense_bytes)
-            layer_token_bytes = bytes_per_token / num_layers
-            per_layer = {kind: slots * layer_token_bytes
-                         for kind, slots in poller.layer_slots_per_request.items()}
-            row.update(
-                completed=result["completed"],
-                peak_running=peak_running_requests(server.log_since(bookmark)),
-                kv_bytes_per_request=kv_bytes,
-                kv_bytes_per_request_per_layer=per_layer or {"every": kv_bytes / num_layers},
-                kv_bytes_source=source,
-            )
-    except (ServerStartError, ClientError) as exc:
+            for workload in profile.workloads:
+                say(f"[{name}] workload {workload.name}")
+                row["runs"].append(run_workload(server, name, workload, profile, log_dir, bytes_per_token,
+                                                num_layers))
+    except (ServerStartError, ClientError, requests.RequestException) as exc:
         say(f"[{name}] failed: {exc}")
         row["error"] = str(exc).splitlines()[0]
     return row
+
+
+def heap_bound(flags: tuple[str, ...], model_config: dict[str, Any], length: int | None, dtype_bytes: int) -> float | None:
+    """Requests of `length` tokens the variant's heap admits per stock request, at equal bytes."""
+    if length is None:
+        return None
+    parser = argparse.ArgumentParser()
+    add_sparsity_arguments(parser)
+    config = sparsity_from_args(parser.parse_args(list(flags)))
+    if not config.enabled:
+        return 1.0
+    layout = HeapLayout.from_resolved(
+        config.resolve(model_config["num_hidden_layers"], model_config["max_position_embeddings"])
+    )
+    heads = model_config.get("num_key_value_heads", model_config["num_attention_heads"])
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
+    overhead = score_bytes(heads) / (2 * heads * head_dim * dtype_bytes)
+    return capacity_ratio(layout, length, score_overhead=overhead)
+
+
+def add_ratios(report: dict[str, Any], model_config: dict[str, Any], dtype_bytes: int) -> None:
+    """Per project run: its peak over stock's on the same workload, and the heap's bound."""
+    stock = next((s for s in report["systems"] if s["name"] == STOCK), None)
+    stock_peaks = {run["workload"]: run["peak_running"] for run in (stock or {}).get("runs", [])}
+    lengths = {w["name"]: w["length"] for w in report["workloads"]}
+    for system in report["systems"]:
+        for run in system["runs"]:
+            base = stock_peaks.get(run["workload"])
+            run["ratio_to_stock"] = run["peak_running"] / base if base and run["peak_running"] else None
+            run["bound"] = heap_bound(tuple(system["flags"]), model_config, lengths[run["workload"]], dtype_bytes) \
+                if system["name"] != STOCK else 1.0
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -153,38 +248,70 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"- Machine: {report['machine']}",
         f"- Server arguments (all systems): `{' '.join(report['server_args'])}`",
-        f"- {report['num_requests']} requests of {report['input_len']:,} + "
-        f"{report['output_len']:,} tokens sent at once; a dense pool holds "
-        f"{report['dense_limit']} at their final length",
+        "- Workloads: " + "; ".join(
+            f"**{w['name']}**: " + " + ".join(f"{p['count']} x {p['input_len']:,} + {p['output_len']}" for p in w["parts"])
+            for w in report["workloads"]),
         "",
-        "| system | flags | peak running req | ratio to stock | KV bytes/req | "
-        "KV bytes/req per layer (by kind) | KV source |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| system | workload | done/sent | peak running req | ratio to stock | equal-bytes bound | "
+        "KV bytes/req | KV bytes/req per layer (by kind) | KV source |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    stock_peak = next((s.get("peak_running") for s in report["systems"] if s["name"] == STOCK),
-                      None)
     for system in report["systems"]:
         if system["error"]:
-            lines.append(f"| {system['name']} | {' '.join(system['flags'])} | "
-                         f"failed: {system['error']} | | | | |")
-            continue
-        peak = system["peak_running"]
-        ratio = f"{peak / stock_peak:.2f}" if peak is not None and stock_peak else "—"
-        per_layer = ", ".join(f"{kind} {value:,.0f}"
-                              for kind, value in system["kv_bytes_per_request_per_layer"].items())
-        lines.append(
-            f"| {system['name']} | {' '.join(system['flags']) or '(stock)'} | "
-            f"{peak if peak is not None else '—'} | {ratio} | "
-            f"{system['kv_bytes_per_request']:,.0f} | {per_layer} | {system['kv_bytes_source']} |")
+            lines.append(f"| {system['name']} | failed: {system['error']} | | | | | | | |")
+        for run in system["runs"]:
+            ratio = f"{run['ratio_to_stock']:.2f}" if run["ratio_to_stock"] is not None else "—"
+            bound = f"{run['bound']:.2f}" if run["bound"] is not None else "—"
+            per_layer = ", ".join(f"{kind} {value:,.0f}" for kind, value in run["kv_bytes_per_request_per_layer"].items())
+            peak = run["peak_running"] if run["peak_running"] is not None else "—"
+            lines.append(
+                f"| {system['name']} | {run['workload']} | {run['completed']}/{run['sent']} | {peak} | {ratio} | "
+                f"{bound} | {run['kv_bytes_per_request']:,.0f} | {per_layer} | {run['kv_bytes_source']} |")
+    lines += ["", "Systems:", ""]
+    for system in report["systems"]:
+        lines.append(f"- **{system['name']}**: `{system['launcher']}` {' '.join(system['flags']) or '(stock)'}")
     lines += [
         "",
-        "Peak running requests: the most requests holding KV at once in the server's scheduler "
-        "log. SGLang may admit fewer than the dense limit: it reserves room for the running "
-        "requests' future tokens. KV bytes per request are measured at the moment they peaked "
-        "(K+V, and the sparse slots' scores); per layer, the mean over the layers of each kind. "
-        "Sparse servers get the same KV bytes as stock (--max-total-tokens counts dense tokens).",
+        "Peak running requests: the most requests holding KV at once in the server's scheduler log. "
+        "SGLang admits a request by its full length and keeps room for the running requests' future "
+        "tokens, so both systems admit fewer than the memory alone would hold. Equal-bytes bound: "
+        "what the heap layout holds per request stock holds at the workload's final length, scores "
+        "included (computed from the layout, not measured). KV bytes per request are measured when "
+        "they peaked (K+V and the sparse entries' scores). All systems get the same KV bytes "
+        "(--max-total-tokens counts dense tokens).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
+    """Running requests over stock's against prompt length, with the bound and stock drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(7, 4.5))
+    axis.axhline(1.0, color="gray", linestyle="--", label="stock SGLang")
+    for system in report["systems"]:
+        if system["name"] == STOCK:
+            continue
+        single = [run for run in system["runs"] if run["ratio_to_stock"] is not None and run["bound"] is not None]
+        lengths = [int(run["workload"]) for run in single]
+        axis.plot(lengths, [run["ratio_to_stock"] for run in single], marker="o", label=f"{system['name']} (measured)")
+        axis.plot(lengths, [run["bound"] for run in single], marker="x", linestyle=":",
+                  label=f"{system['name']} equal-bytes bound")
+        for run in system["runs"]:
+            if run["bound"] is None and run["ratio_to_stock"] is not None:
+                axis.axhline(run["ratio_to_stock"], color="tab:green", linestyle="-.", alpha=0.6,
+                             label=f"{system['name']} {run['workload']} workload (measured)")
+    axis.set_xscale("log", base=2)
+    axis.set(xlabel="prompt length (tokens)", ylabel="peak running requests / stock's",
+             title=f"{report['profile']} — {report['date']}")
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(paths.png, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,31 +329,40 @@ def main(argv: list[str] | None = None) -> int:
     model_dir, load_args = prepare_model(profile.server, log_dir)
     shared = shared_server_args(profile.server, model_dir, load_args)
     bytes_per_token = kv_bytes_per_token(model_dir, profile.server.dtype)
-    num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    model_config = json.loads((model_dir / "config.json").read_text())
+    num_layers = model_config["num_hidden_layers"]
 
-    systems = []
-    for name, flags in [(STOCK, ()), *((v.name, v.flags) for v in profile.variants)]:
-        (log_dir / f"client-{name}.jsonl").unlink(missing_ok=True)
-        systems.append(measure_system(name, flags, shared, profile, log_dir, bytes_per_token,
-                                      num_layers))
+    for stale in log_dir.glob("client-*.jsonl"):
+        stale.unlink()
+    systems = [
+        measure_system(name, flags, shared, profile, log_dir, bytes_per_token, num_layers)
+        for name, flags in [(STOCK, ()), *((v.name, v.flags) for v in profile.variants)]
+    ]
     report = {
         "profile": profile.name,
         "date": date,
         "description": profile.description,
         "machine": machine(),
         "server_args": args_for_report(shared, model_dir),
-        "input_len": profile.input_len,
-        "output_len": profile.output_len,
-        "num_requests": profile.num_requests,
-        "dense_limit": profile.dense_limit,
+        "workloads": [
+            {"name": w.name, "length": w.length, "parts": [vars(p) for p in w.parts]} for w in profile.workloads
+        ],
         "kv_bytes_per_token": bytes_per_token,
         "systems": systems,
     }
+    add_ratios(report, model_config, bytes_per_token // (num_layers * 2 * _kv_width(model_config)))
     write_json(paths, report)
     paths.markdown.write_text(markdown(report))
+    write_plot(paths, report)
     print(paths.markdown.read_text(), flush=True)
-    say(f"wrote {paths.json}, {paths.markdown}")
+    say(f"wrote {paths.json}, {paths.markdown}, {paths.png}")
     return 0 if all(system["error"] is None for system in systems) else 1
+
+
+def _kv_width(model_config: dict[str, Any]) -> int:
+    """KV heads x head dim of one layer's K (or V)."""
+    heads = model_config.get("num_key_value_heads", model_config["num_attention_heads"])
+    return heads * (model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"])
 
 
 if __name__ == "__main__":

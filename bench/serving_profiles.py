@@ -21,10 +21,8 @@ PROJECT_OFF = ("--kvsparse-preset", "off")
 PROJECT_DEFAULT = ("--kvsparse-preset", "default")
 #: A tight budget: layers 0-1 full, 256 entries elsewhere (the eviction test's setting).
 PROJECT_BUDGET_256 = ("--kvsparse-full-layers", "0,1", "--kvsparse-budget", "256")
-#: The published setting: layers 0-2 full. The KV bytes are split for the workload's requests
-#: (5,500 tokens) rather than for the model's 131,072-token context, which would give the full
-#: layers room for 128k-token requests and the sparse pools almost none.
-NOVITA_SPARSITY = ("--kvsparse-full-layers", "0,1,2", "--kvsparse-config", '{"pool_target_len": 5500}')
+#: The published setting: layers 0-2 full.
+NOVITA_SPARSITY = ("--kvsparse-full-layers", "0,1,2")
 #: SGLang's own switch, for a variant that shows what prefix reuse is worth.
 NO_PREFIX_REUSE = ("--disable-radix-cache",)
 
@@ -67,7 +65,7 @@ class Profile:
     decode_log_interval: int = 1
     startup_timeout_s: float = 900.0
     client_timeout_s: float = 3600.0
-    shrink_model: bool = False
+    shape: str = "full"  # a dummy model's shape: common.models.SHAPES
     shared_prefix: SharedPrefix | None = None
 
     @property
@@ -78,7 +76,7 @@ class Profile:
     def server_settings(self) -> ServerSettings:
         return ServerSettings(self.model, self.device, self.dtype, self.max_total_tokens,
                               self.mem_fraction_static, self.decode_log_interval,
-                              self.startup_timeout_s, self.shrink_model)
+                              self.startup_timeout_s, self.shape)
 
     def num_prompts(self, concurrency: int) -> int:
         if self.shared_prefix is not None:
@@ -89,7 +87,7 @@ class Profile:
         """The same profile at tiny sizes on this CPU: checks the script end to end in minutes.
 
         A dummy-weights model keeps its architecture and vocabulary but gets the small shape of
-        ``common.models.DRY_RUN_SHAPE`` (4 layers, so gpu-novita's full layers 0-2 still fit).
+        ``common.models.SHAPES["dry-run"]`` (4 layers, so gpu-novita's full layers 0-2 still fit).
         """
         return dataclasses.replace(
             self,
@@ -109,7 +107,7 @@ class Profile:
             min_prompts=2,
             startup_timeout_s=600.0,
             client_timeout_s=600.0,
-            shrink_model=True,
+            shape="dry-run",
         )
 
 

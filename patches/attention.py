@@ -1,10 +1,11 @@
 """The attention backend of a sparse server (SGLang 0.5.23 attention registry).
 
-The stock backend names stay (SGLang keys scheduler helpers on them, see
-docs/sparse-backend-plan.md §0); `install` re-registers `torch_native` and `triton` with factories
+The stock backend names stay (SGLang keys scheduler helpers on them); `install` re-registers `torch_native` and `triton` with factories
 that wrap the stock backend in `KVSparseBackend` when the runner carries a `SparseState`. Full
-layers go to the stock backend unchanged; sparse layers never touch SGLang's KV pool: their K/V
-live in the `SparseState` buffers and their attention runs in `sglang_kvsparse.sparse_attention`.
+layers go to the stock backend unchanged; sparse layers read and write their own rows of the
+heap's lanes (`SparseState.lanes`) through `sglang_kvsparse.sparse_attention`. The forward's plan
+is built once per step in `init_forward_metadata` (`sglang_kvsparse.planning`); after the last
+sparse layer has been issued, the state releases what the step's evictions and prefix reads held.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from typing import Any, Callable
 from sglang.srt.layers.attention import attention_registry
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from sglang_kvsparse.planning import ForwardPlan, plan_decode, plan_extend
 from sglang_kvsparse.sparse_attention import sparse_decode, sparse_extend
-from sglang_kvsparse.sparse_state import ForwardPlan, SparseState
+from sglang_kvsparse.sparse_state import SparseState
+
+from . import context
 
 #: Stock backends this build can wrap; others are refused at startup (patches/memory.py).
 WRAPPED_BACKENDS: tuple[str, ...] = ("torch_native", "triton")
@@ -35,6 +39,7 @@ class KVSparseBackend(AttentionBackend):
         self.data_type = inner.data_type
         self.kv_cache_dtype = inner.kv_cache_dtype
         self._plan: ForwardPlan | None = None
+        self._last_sparse_layer = max(state.layout.sparse_slots, default=-1)
 
     # Attributes the base class declares (so __getattr__ would never see them) but the inner
     # backend owns: forward them, so a translator bound to the wrapper reaches the inner one.
@@ -64,37 +69,45 @@ class KVSparseBackend(AttentionBackend):
         mode = forward_batch.forward_mode
         cpu_rows = forward_batch.req_pool_indices_cpu
         rows = (forward_batch.req_pool_indices if cpu_rows is None else cpu_rows).tolist()
+        device = self.state.lanes[0].k.device
         if mode.is_idle():
             self._plan = None
         elif mode.is_decode():
-            self._plan = self.state.plan_decode(rows, forward_batch.out_cache_loc)
+            self._plan = plan_decode(self.state, rows, device)
         elif mode.is_extend() and not mode.is_mixed() and not mode.is_target_verify():
             prefix_lens = [int(n) for n in forward_batch.extend_prefix_lens_cpu]
             table = self.req_to_token_pool.req_to_token
             prefix_ids = [table[row, :n] for row, n in zip(rows, prefix_lens)]
-            self._plan = self.state.plan_extend(
-                rows, prefix_lens, list(forward_batch.extend_seq_lens_cpu), prefix_ids, forward_batch.out_cache_loc
+            self._plan = plan_extend(
+                self.state, rows, prefix_lens, list(forward_batch.extend_seq_lens_cpu), prefix_ids,
+                forward_batch.out_cache_loc, device,
             )
         else:
             raise NotImplementedError(f"kvsparse: forward mode {mode} is not supported with sparse layers")
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        if not self.state.is_sparse(layer.layer_id):
+        if not self.state.layout.is_sparse(layer.layer_id):
             return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        group = self.state.group_plan(self._plan, layer.layer_id)
+        slot = self.state.layout.sparse_slots[layer.layer_id]
         o = sparse_extend(
-            q3, k, v, layer.scaling, self._plan, group, self.state.buffers[layer.layer_id], self.state.policy
+            q3, k, v, layer.scaling, self._plan, self._plan.column(slot), self.state.lanes[slot.lane], self.state.policy
         )
+        self._after_sparse_layer(layer.layer_id)
         return o.reshape(q3.shape[0], -1)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        if not self.state.is_sparse(layer.layer_id):
+        if not self.state.layout.is_sparse(layer.layer_id):
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        group = self.state.group_plan(self._plan, layer.layer_id)
-        o = sparse_decode(q3, k, v, layer.scaling, self._plan, group, self.state.buffers[layer.layer_id])
+        slot = self.state.layout.sparse_slots[layer.layer_id]
+        o = sparse_decode(q3, k, v, layer.scaling, self._plan, self._plan.column(slot), self.state.lanes[slot.lane])
+        self._after_sparse_layer(layer.layer_id)
         return o.reshape(q3.shape[0], -1)
+
+    def _after_sparse_layer(self, layer_id: int) -> None:
+        if layer_id == self._last_sparse_layer:
+            self.state.finish_forward()
 
     def support_triton(self) -> bool:
         return self.inner.support_triton()
@@ -103,10 +116,7 @@ class KVSparseBackend(AttentionBackend):
 def _wrapping_factory(stock: Callable[[Any], AttentionBackend]) -> Callable[[Any], AttentionBackend]:
     def factory(runner: Any) -> AttentionBackend:
         inner = stock(runner)
-        state = runner.req_to_token_pool._aux_cache
-        if not isinstance(state, SparseState):
-            raise RuntimeError("kvsparse: the sparse state was not attached before the attention backend was built")
-        return KVSparseBackend(inner, state)
+        return KVSparseBackend(inner, context.state())
 
     setattr(factory, _MARK, True)
     return factory

@@ -1,19 +1,18 @@
-"""KV memory of a sparse server in the scheduler process (SGLang 0.5.23).
+"""The one KV heap of a sparse server, built on SGLang's own pools (SGLang 0.5.23).
 
 Three hooks, in the order SGLang runs them while `ModelRunner.alloc_memory_pool` builds the pools:
 
-* `size_pools` (AROUND `KVCacheConfigurator._resolve_memory_pool_config`): the first kvsparse
-  code in the scheduler process, so it checks the guards and that every patch is in place, and
-  raises (SGLang swallows plugin exceptions, and a half-applied plugin would serve stock attention
-  under a sparse configuration). It then takes the KV bytes stock SGLang would use (its token
-  count N times every layer) and divides them between the full layers and the sparse pools
-  (`accounting.split_pool`): SGLang's pool gets `full_tokens` ids, which only the full layers
-  store.
+* `size_heap` (AROUND `KVCacheConfigurator._resolve_memory_pool_config`): the first kvsparse code
+  in the scheduler process, so it checks the guards and that every patch is in place, and raises
+  (SGLang swallows plugin exceptions, and a half-applied plugin would serve stock attention under
+  a sparse configuration). It takes the KV bytes stock SGLang would use (its token count N times
+  every layer) and turns them into heap rows (`layout.heap_rows`): SGLang's pool gets that many
+  ids, and each of its full layers a buffer of that many rows (the heap's lanes).
 * `pool_class` (AROUND `KVCacheConfigurator._resolve_kv_pool_class`): SGLang's MHA pool class,
-  subclassed so that sparse layers get a one-page stub instead of `full_tokens` rows.
-* `attach_state` (AFTER `ModelRunner.alloc_memory_pool`): builds the `SparseState` (index maps,
-  sparse K/V and score buffers, sized by the split) and attaches it as the request-to-token pool's
-  aux cache, so SGLang's own allocation and release paths drive it.
+  subclassed so that sparse layers get a one-page stub instead of a buffer.
+* `attach_state` (AFTER `ModelRunner.alloc_memory_pool`): turns SGLang's allocator into the
+  heap's (`patches/allocator.py`), builds the `SparseState` on the lanes and attaches it as the
+  request-to-token pool's aux cache, so SGLang's own allocation and release paths drive it.
 """
 
 from __future__ import annotations
@@ -26,65 +25,40 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.runtime_context import get_server_args
 
-from sglang_kvsparse.accounting import (
-    PoolSplit,
-    footprint_table,
-    format_footprint_table,
-    kv_bytes_per_token,
-    split_pool,
-)
-from sglang_kvsparse.config import ResolvedSparsity, SparsityConfig
-from sglang_kvsparse.index_map import round_up
-from sglang_kvsparse.sparse_state import SparseState, score_bytes_per_slot
+from sglang_kvsparse.accounting import format_footprint_table, footprint_table, human_bytes, kv_bytes_per_token, score_bytes
+from sglang_kvsparse.config import SparsityConfig
+from sglang_kvsparse.layout import HeapLayout, heap_rows
+from sglang_kvsparse.sparse_state import LaneBuffers, SparseState
 
-from . import attention
-
-_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
-SIZE_TARGET = f"{_CONFIGURATOR}._resolve_memory_pool_config"
-POOL_CLASS_TARGET = f"{_CONFIGURATOR}._resolve_kv_pool_class"
-TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool"
-
-#: The state of this scheduler process (TP=1: one runner), read by the stats and admission hooks.
-STATE: SparseState | None = None
-#: The split `size_pools` chose, read by `attach_state`.
-SPLIT: PoolSplit | None = None
+from . import allocator, attention, context
+from .hooks import unpatched
 
 
 class KVSparseStartupError(RuntimeError):
     """A setting this build cannot serve with sparse layers; the message names the flag."""
 
 
-def make_size_pools(config: SparsityConfig, other_targets: tuple[str, ...]):
-    """The AROUND hook for `SIZE_TARGET`, bound to the configuration."""
+def make_size_heap(config: SparsityConfig):
+    """The AROUND hook for `hooks.SIZE_POOLS`, bound to the configuration."""
 
-    def size_pools(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> Any:
-        global SPLIT
-        check_guards(other_targets)
+    def size_heap(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> Any:
+        check_guards()
         pool_config = original(configurator, *args, **kwargs)
         model = configurator.model_config
-        resolved = config.resolve(model.num_hidden_layers, model.context_len)
-        head_dim, num_kv_heads = model.head_dim, model.get_num_kv_heads(1)
-        bpt = kv_bytes_per_token(num_kv_heads, head_dim, configurator.kv_cache_dtype.itemsize)
-        dense_tokens = pool_config.max_total_num_tokens
-        SPLIT = split_pool(
-            dense_tokens * resolved.num_layers * bpt,
-            resolved,
-            bpt,
-            page_size=configurator.page_size,
-            sparse_slot_bytes=bpt + score_bytes_per_slot(num_kv_heads),
-        )
-        check_split(SPLIT, resolved, configurator.page_size)
-        # Without full layers SGLang's ids cost nothing; give it room for every sparse request.
-        full_tokens = SPLIT.full_tokens or round_up(
-            max(SPLIT.requests_at_target, 1) * SPLIT.target_len, configurator.page_size
-        )
-        return dataclasses.replace(pool_config, max_total_num_tokens=full_tokens)
+        layout = HeapLayout.from_resolved(config.resolve(model.num_hidden_layers, model.context_len))
+        num_kv_heads = model.get_num_kv_heads(1)
+        bpt = kv_bytes_per_token(num_kv_heads, model.head_dim, configurator.kv_cache_dtype.itemsize)
+        page = configurator.page_size
+        total = pool_config.max_total_num_tokens * layout.num_layers * bpt
+        rows = heap_rows(total, layout.lanes, bpt, score_bytes(num_kv_heads), page)
+        check_heap(layout, rows, page)
+        return dataclasses.replace(pool_config, max_total_num_tokens=rows)
 
-    return size_pools
+    return size_heap
 
 
 def make_pool_class(config: SparsityConfig):
-    """The AROUND hook for `POOL_CLASS_TARGET`: sparse layers get stubs in SGLang's MHA pool."""
+    """The AROUND hook for `hooks.POOL_CLASS`: sparse layers get stubs in SGLang's MHA pool."""
 
     def pool_class(original: Any, configurator: Any, *args: Any, kind: str, default: type, **kwargs: Any) -> type:
         cls = original(configurator, *args, kind=kind, default=default, **kwargs)
@@ -100,7 +74,7 @@ def make_pool_class(config: SparsityConfig):
 
 
 def stub_pool_class(base: type, sparse_layers: frozenset[int]) -> type:
-    """`base` with one-page K/V stubs for `sparse_layers` (whose K/V live in the SparseState).
+    """`base` with one-page K/V stubs for `sparse_layers` (whose K/V live in the heap's lanes).
 
     The buffer lists keep one entry per layer, so SGLang's `layer_id - start_layer` indexing is
     unchanged; a write into a stub raises, so a stray write fails loudly instead of corrupting.
@@ -143,58 +117,79 @@ def stub_pool_class(base: type, sparse_layers: frozenset[int]) -> type:
 
 
 def make_attach_state(config: SparsityConfig):
-    """The AFTER hook for `TARGET`, bound to the configuration."""
+    """The AFTER hook for `hooks.ALLOC_MEMORY_POOL`, bound to the configuration."""
 
     def attach_state(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
-        global STATE
-        if SPLIT is None:
-            raise KVSparseStartupError("kvsparse: the KV pools were built without the kvsparse split")
         model = runner.model_config
         resolved = config.resolve(model.num_hidden_layers, model.context_len)
-        pool = runner.token_to_kv_pool
-        k0 = pool.get_key_buffer(resolved.full_layers[0] if resolved.full_layers else 0)
+        layout = HeapLayout.from_resolved(resolved)
+        token_allocator = runner.token_to_kv_pool_allocator
+        rows = token_allocator.size
+        lanes = lane_buffers(runner.token_to_kv_pool, layout, rows + runner.page_size, model)
+        heap = allocator.make_heap(token_allocator, layout)
         state = SparseState(
             resolved,
-            slots_per_layer=SPLIT.sparse_slots,
+            heap=heap,
+            lanes=lanes,
             max_requests=runner.req_to_token_pool._alloc_size,
-            num_kv_heads=k0.shape[1],
-            head_dim=k0.shape[2],
-            dtype=k0.dtype,
-            dense_capacity=runner.token_to_kv_pool_allocator.size,
-            page_size=runner.page_size,
-            device=k0.device,
+            heap_rows=rows,
             prefix_cache=not get_server_args().disable_radix_cache,
         )
+        allocator.attach(token_allocator, state)
         runner.req_to_token_pool.attach_aux_cache(state)
-        STATE = state
-        table = format_footprint_table(footprint_table(resolved, SPLIT.bytes_per_token, page_size=runner.page_size))
-        print(
-            f"[sglang-kvsparse] {config.describe()}\n"
-            f"[sglang-kvsparse] {SPLIT.describe()}\n"
-            f"[sglang-kvsparse] KV bytes per request:\n"
-            + "\n".join(f"[sglang-kvsparse]   {line}" for line in table.splitlines()),
-            file=sys.stderr,
-            flush=True,
-        )
+        context.install(state)
+        log_layout(config, layout, lanes[0], rows, runner.page_size, resolved.context_len)
 
     return attach_state
 
 
-def check_split(split: PoolSplit, resolved: ResolvedSparsity, page_size: int) -> None:
-    """Refuse a KV budget whose sparse pools cannot hold even one request at its largest."""
-    for layer, slots in split.sparse_slots.items():
-        need = round_up(resolved.max_entries(layer), page_size)
-        if slots < need:
-            raise KVSparseStartupError(
-                f"kvsparse: sparse layer {layer} gets {slots} slots, fewer than one request's "
-                f"{need}: raise --max-total-tokens or --mem-fraction-static"
-            )
+def lane_buffers(pool: Any, layout: HeapLayout, buffer_rows: int, model: Any) -> list[LaneBuffers]:
+    """The heap's lanes: full layer i's K/V buffers in SGLang's pool are lane i (with no full
+    layer, one lane of our own), each with a float32 score per row and KV head beside it."""
+    if layout.full_layers:
+        kv = [(pool.get_key_buffer(layer), pool.get_value_buffer(layer)) for layer in layout.full_layers]
+    else:
+        k0 = pool.get_key_buffer(0)  # a stub: it has the shape and dtype
+        shape = (buffer_rows, *k0.shape[1:])
+        kv = [(torch.zeros(shape, dtype=k0.dtype, device=k0.device), torch.zeros(shape, dtype=k0.dtype, device=k0.device))]
+    for k, _ in kv:
+        if k.shape[0] != buffer_rows:
+            raise KVSparseStartupError(f"kvsparse: a full layer's KV buffer has {k.shape[0]} rows, the heap {buffer_rows}")
+    return [
+        LaneBuffers(k, v, torch.zeros(buffer_rows, k.shape[1], dtype=torch.float32, device=k.device)) for k, v in kv
+    ]
 
 
-def check_guards(other_targets: tuple[str, ...]) -> None:
+def log_layout(config: SparsityConfig, layout: HeapLayout, lane: LaneBuffers, rows: int, page: int, context_len: int) -> None:
+    num_kv_heads, head_dim = lane.k.shape[1], lane.k.shape[2]
+    bpt = kv_bytes_per_token(num_kv_heads, head_dim, lane.k.element_size())
+    scores = score_bytes(num_kv_heads)
+    heap_bytes = rows * layout.lanes * (bpt + scores)
+    table = format_footprint_table(footprint_table(layout, bpt, scores, context_len, page_size=page))
+    print(
+        f"[sglang-kvsparse] {config.describe()}\n"
+        f"[sglang-kvsparse] KV heap: {rows} rows x {layout.lanes} lane(s), {human_bytes(heap_bytes)} "
+        f"(the KV bytes of stock SGLang's pool); {layout.describe()}\n"
+        f"[sglang-kvsparse] KV bytes per request (requests of one length fit at the ratio shown):\n"
+        + "\n".join(f"[sglang-kvsparse]   {line}" for line in table.splitlines()),
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def check_heap(layout: HeapLayout, rows: int, page: int) -> None:
+    """Refuse a KV budget in which no request can outgrow its budget."""
+    longest = max((group.max_entries for group in layout.groups), default=page)
+    need = layout.rows_held(longest, page) + page
+    if rows < need:
+        raise KVSparseStartupError(
+            f"kvsparse: the KV heap has {rows} rows, fewer than one {longest}-token request's {need}: "
+            "raise --max-total-tokens or --mem-fraction-static"
+        )
+
+
+def check_guards() -> None:
     """Refuse, in one line naming the flag, what the sparse layers cannot serve yet."""
-    from .plugin import unpatched
-
     args = get_server_args()
     problems = []
     if (getattr(args, "chunked_prefill_size", None) or -1) > 0 or getattr(args, "enable_mixed_chunk", False):
@@ -213,7 +208,7 @@ def check_guards(other_targets: tuple[str, ...]) -> None:
             problems.append(f"--{option.replace('_', '-')} {name}: sparse layers support {attention.WRAPPED_BACKENDS}")
     if not attention.installed():
         problems.append("the kvsparse attention backend is not installed in this process (plugin load failed?)")
-    missing = unpatched(other_targets)
+    missing = unpatched()
     if missing:
         problems.append(f"hooks not applied in this process: {', '.join(missing)} (plugin load failed?)")
     if problems:

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import memory
-
-TARGET = "sglang.srt.mem_cache.common.match_kv_cache"
+from . import context
 
 
 def cap_match(
@@ -35,7 +33,7 @@ def cap_match(
     if not req.prefix_len:
         return result
     seq_len = len(req.origin_input_ids) + len(req.output_ids) if token_ids is None else len(token_ids)
-    usable = memory.STATE.reusable_prefix_len(tree_cache.prefix_device_indices(req).to("cpu"), seq_len)
+    usable = context.state().reusable_prefix_len(tree_cache.prefix_device_indices(req).to("cpu"), seq_len)
     if usable >= req.prefix_len:
         return result
     limit = usable if max_prefix_len is None else min(usable, max_prefix_len)

@@ -117,8 +117,6 @@ class SparsityConfig:
       evict_page   decode eviction granularity in tokens: a sparse layer that holds
                    budget + evict_page entries evicts evict_page of them, back to budget.
       policy       scoring policy name, one of KNOWN_POLICIES.
-      pool_target_len  request length (prompt + output) the sparse/full pool split is balanced
-                   for (see accounting.split_pool); None = the model's context length.
     """
 
     enabled: bool = True
@@ -130,7 +128,6 @@ class SparsityConfig:
     pool_kernel: int = 15
     evict_page: int = 16
     policy: str = "snapkv"
-    pool_target_len: int | None = None
     # Where each field's value came from, for error messages: ((field, option label), ...).
     origins: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
@@ -185,8 +182,6 @@ class SparsityConfig:
         if self.policy not in KNOWN_POLICIES:
             known = ", ".join(sorted(KNOWN_POLICIES))
             raise self._fail("policy", f"unknown policy {self.policy!r} (known: {known})")
-        if self.pool_target_len is not None:
-            self._check_int("pool_target_len", self.pool_target_len, 1)
         self._validate_budget_shape()
 
     def _validate_budget_shape(self) -> None:
@@ -280,7 +275,6 @@ class SparsityConfig:
             "pool_kernel": self.pool_kernel,
             "evict_page": self.evict_page,
             "policy": self.policy,
-            "pool_target_len": self.pool_target_len,
         }
 
     def describe(self) -> str:

@@ -1,5 +1,5 @@
 """Uncompressed sparse-layer K/V of prompt tokens the radix tree may hand out again (bookkeeping
-only; the K/V live in the layers' buffers, at the slots this store hands out).
+only: the K/V live in the heap's lane buffers, at the rows this store records).
 
 Why it exists: SGLang's radix tree shares a cached prefix's full-layer K/V, but a request keeps
 only a budget of entries in each sparse layer, chosen with the whole prompt in view. For a later
@@ -8,147 +8,168 @@ same attention for its new tokens, the same scores, so the same kept set), its p
 prefix's *uncompressed* sparse-layer K/V. The store keeps them, keyed by SGLang's full-pool token
 id, the id the tree hands out for the token.
 
-Copy-on-write, simply: store slots are written once, when a prompt token's prefill computes its
-K/V, and only read after that; a request that reuses them copies what it keeps into its own row
-slots, so compaction and eviction (which touch only a row's own slots) never write into a shared
-slot.
+Layout: a *block* is up to `page_size` consecutive prompt tokens and holds one heap page per
+sparse column, so token t of block b is at row `base[b, c] + t` in column c. A token's *entry* is
+`b * page_size + t` (blocks count from 1, so entry 0 means "none").
 
-Memory: the store owns no memory of its own. It borrows free pages of the group's `SlotPool` and
-gives them back, least recently used first, whenever request rows need them (`reclaim`), as
-SGLang's tree gives back cached tokens. Pages pinned for the current step (what its prefill reads)
-are never taken. So admission counts `evictable_pages` as free, and the store never costs a
-running request room.
+Copy-on-write, simply: store rows are written once, when a prompt token's prefill computes its
+K/V, and only read after that; a request that reuses them copies what it keeps into its own rows.
 
-Validity: an entry is valid while the full-pool id still holds the token it was written for.
-SGLang reuses an id only by allocating it to a new token, and every new token goes through a
-forward, so the forward's new ids are `invalidate`d there. Only prefill-computed K/V is stored:
-a decoded token's sparse-layer K/V depend on what the layers below evicted, and reusing them
-would change a later request's output. `valid_prefix_len` therefore stops at the first token
-with no entry, and the radix match is capped there (`patches/prefix.py`).
+Memory: the store's rows are heap rows it borrowed; they count as free for admission, and the
+heap takes them back, least recently used first (a prefix's tail before its head), whenever an
+owner needs rows (`reclaim`). Blocks a step's prefill will read are pinned from admission until
+that forward has been issued.
+
+Validity: an entry is valid while SGLang holds its full-pool id for that token (a running request
+or the radix tree). When SGLang frees the id, `forget` drops the entry, and a block whose entries
+are all gone gives its rows back. Only prefill-computed K/V are stored: a decoded token's
+sparse-layer K/V depend on what the layers below evicted, so reusing them would change a later
+request's output; `valid_prefix_len` stops at the first token without an entry.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sglang_kvsparse.index_map import SlotPool
-
 
 class PrefixStore:
-    """Full-pool token id -> slot in one group's pool, for tokens whose prefill K/V are kept.
+    """Full-pool id -> entry, and each block's heap pages, pins and last use."""
 
-    Pages of the store are whole pool pages; `last_use` orders them for eviction (-1: not in the
-    store). Within one use, a sequence's earlier pages count as used later, so eviction takes a
-    prefix's tail before its head: `valid_prefix_len` stops at the first missing entry, so a
-    prefix without its head would be worth nothing. A page may hold entries that were invalidated
-    since (their ids were reused); it stays until evicted, and eviction clears only the ids that
-    still point into it.
-    """
-
-    def __init__(self, pool: SlotPool, num_full_ids: int) -> None:
-        self.pool = pool
-        self.page_size = pool.page_size
-        pages = pool.num_pages + 1  # page 0 is the pool's padding page, never in the store
-        self.slot_of = torch.zeros(num_full_ids, dtype=torch.int64)  # 0: no entry
-        self.page_ids = torch.zeros(pages, self.page_size, dtype=torch.int64)  # full id per slot, 0: none
-        self.last_use = torch.full((pages,), -1, dtype=torch.int64)
-        self.pinned = torch.zeros(pages, dtype=torch.bool)
+    def __init__(self, num_full_ids: int, columns: int, page_size: int, max_blocks: int) -> None:
+        self.columns = columns
+        self.page_size = page_size
+        self.entry_of = torch.zeros(num_full_ids, dtype=torch.int64)  # 0: no entry
+        blocks = max_blocks + 1  # block 0 is never used
+        self.base = torch.zeros(blocks, columns, dtype=torch.int64)  # first heap row per column
+        self.ids = torch.zeros(blocks, page_size, dtype=torch.int64)  # full id per token, 0: none
+        self.live = torch.zeros(blocks, dtype=torch.int64)  # valid entries per block
+        self.last_use = torch.full((blocks,), -1, dtype=torch.int64)  # -1: free block
+        self.pins = torch.zeros(blocks, dtype=torch.int64)
+        self._free = list(range(max_blocks, 0, -1))
         self._clock = 0
 
+    @property
+    def rows_per_block(self) -> int:
+        return self.columns * self.page_size
+
     # -- queries ---------------------------------------------------------------------------
-    def pages(self) -> int:
+    def blocks(self) -> int:
         return int((self.last_use >= 0).sum())
 
-    def slots(self) -> int:
-        return self.pages() * self.page_size
+    def rows(self) -> int:
+        """Heap rows the store holds."""
+        return self.blocks() * self.rows_per_block
 
-    def evictable_pages(self) -> int:
-        return int(((self.last_use >= 0) & ~self.pinned).sum())
-
-    def lookup(self, full_ids: torch.Tensor) -> torch.Tensor:
-        """Store slots of the ids (int64; 0 where there is no valid entry)."""
-        return self.slot_of[full_ids.long()]
+    def reclaimable_rows(self) -> int:
+        """Heap rows the store would give back on demand (its unpinned blocks')."""
+        return int(((self.last_use >= 0) & (self.pins == 0)).sum()) * self.rows_per_block
 
     def valid_prefix_len(self, full_ids: torch.Tensor) -> int:
         """How many leading ids have an entry."""
-        present = self.lookup(full_ids) > 0
+        present = self.entry_of[full_ids.long()] > 0
         return int(present.cumprod(0).sum()) if present.numel() else 0
 
-    def unpinned_pages_of(self, full_ids: torch.Tensor) -> int:
-        """Store pages holding the ids' entries that are not pinned yet (what `pin` would pin)."""
-        pages = self._pages_of(full_ids)
-        return int((~self.pinned[pages]).sum())
+    def lookup(self, full_ids: torch.Tensor) -> torch.Tensor:
+        """Heap rows [n, columns] of the ids' entries; every id must have one."""
+        entries = self.entry_of[full_ids.long()]
+        if bool((entries == 0).any()):
+            raise KeyError("a full-pool id has no prefix-store entry (evicted before its prefill read it?)")
+        block, offset = entries // self.page_size, entries % self.page_size
+        return self.base[block] + offset[:, None]
+
+    def unpinned_rows_of(self, full_ids: torch.Tensor) -> int:
+        """Heap rows that pinning the ids would stop being reclaimable."""
+        blocks = self._blocks_of(full_ids)
+        return int((self.pins[blocks] == 0).sum()) * self.rows_per_block
 
     # -- updates ---------------------------------------------------------------------------
+    def put(self, full_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Store the leading ids (new prompt tokens, in order) in `rows` (whole blocks' worth of
+        heap pages, page by page); returns their heap rows [n_stored, columns]."""
+        per_block = self.rows_per_block
+        count = min(rows.numel() // per_block, len(self._free), -(-full_ids.numel() // self.page_size))
+        stored = min(full_ids.numel(), count * self.page_size)
+        if count == 0:
+            return torch.empty(0, self.columns, dtype=torch.int64)
+        blocks = torch.tensor([self._free.pop() for _ in range(count)], dtype=torch.int64)
+        self.base[blocks] = rows[: count * per_block].view(count, self.columns, self.page_size)[:, :, 0]
+        ids = torch.zeros(count * self.page_size, dtype=torch.int64)
+        ids[:stored] = full_ids[:stored].long()
+        self.ids[blocks] = ids.view(count, self.page_size)
+        self.live[blocks] = (self.ids[blocks] > 0).sum(1)
+        self._stamp(blocks)
+        entries = (blocks[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)[:stored]
+        self.entry_of[ids[:stored]] = entries
+        return self.lookup(ids[:stored])
+
+    def touch(self, full_ids: torch.Tensor) -> None:
+        """A prefix hit read these ids (a sequence in order): their blocks are the newest."""
+        blocks = self.entry_of[full_ids.long()] // self.page_size
+        self._stamp(torch.unique_consecutive(blocks[blocks > 0]))
+
     def pin(self, full_ids: torch.Tensor) -> None:
-        """Keep the ids' pages until `unpin_all` (the step that reads them is over)."""
-        self.pinned[self._pages_of(full_ids)] = True
+        """Keep the ids' blocks until `unpin` (or `unpin_all`): a prefill will read them."""
+        self.pins[self._blocks_of(full_ids)] += 1
+
+    def unpin(self, full_ids: torch.Tensor) -> None:
+        blocks = self._blocks_of(full_ids)
+        self.pins[blocks] = (self.pins[blocks] - 1).clamp(min=0)
 
     def unpin_all(self) -> None:
-        self.pinned.zero_()
+        self.pins.zero_()
 
-    def touch(self, slots: torch.Tensor) -> None:
-        """Mark the pages of `slots` (sequences in order) as just used: a prefix hit read them."""
-        pages = slots.long() // self.page_size
-        self._stamp(torch.unique_consecutive(pages[pages > 0]))
-
-    def invalidate(self, full_ids: torch.Tensor) -> None:
-        """The ids now hold other tokens (SGLang allocated them again): forget their entries."""
-        self.slot_of[full_ids.long()] = 0
-
-    def reclaim(self, free_pages: int) -> None:
-        """Evict least recently used unpinned pages until the pool has `free_pages` free (or
-        nothing more can be evicted)."""
-        short = free_pages - self.pool.available_pages()
-        if short > 0:
-            self._evict(short)
-
-    def put(self, full_ids: torch.Tensor) -> torch.Tensor:
-        """Give the ids (new prompt tokens, in order) store slots, evicting older pages if the
-        pool is short; returns the slots of the leading ids that got one (best effort: a store
-        entry is a cache, never a promise)."""
-        n = int(full_ids.numel())
-        if n == 0:
+    def forget(self, full_ids: torch.Tensor) -> torch.Tensor:
+        """SGLang freed these ids: drop their entries; returns the heap rows of blocks left empty."""
+        ids = full_ids.long().reshape(-1)
+        entries = self.entry_of[ids]
+        ids, entries = ids[entries > 0], entries[entries > 0]
+        if ids.numel() == 0:
             return torch.empty(0, dtype=torch.int64)
-        want = -(-n // self.page_size)
-        self.reclaim(want)
-        got = min(want, self.pool.available_pages())
-        slots = self.pool.alloc_pages(got)
-        stored = min(n, got * self.page_size)
-        pages = slots[:: self.page_size] // self.page_size
-        ids = torch.zeros(got * self.page_size, dtype=torch.int64)
-        ids[:stored] = full_ids[:stored].long()
-        self.page_ids[pages] = ids.view(got, self.page_size)
-        self._stamp(pages)
-        self.slot_of[ids[:stored]] = slots[:stored]
-        return slots[:stored]
+        self.entry_of[ids] = 0
+        blocks, offsets = entries // self.page_size, entries % self.page_size
+        self.ids[blocks, offsets] = 0
+        self.live.index_add_(0, blocks, torch.full_like(blocks, -1))
+        empty = torch.unique(blocks[self.live[blocks] == 0])
+        return self._drop(empty)
 
-    def clear(self) -> None:
-        """Drop every entry and give all pages back (SGLang flushed its cache)."""
+    def reclaim(self, rows: int) -> torch.Tensor:
+        """Evict least recently used unpinned blocks worth at least `rows` heap rows (or all that
+        can go); returns their heap rows."""
+        if rows <= 0:
+            return torch.empty(0, dtype=torch.int64)
+        candidates = torch.nonzero((self.last_use >= 0) & (self.pins == 0)).flatten()
+        need = -(-rows // self.rows_per_block)
+        oldest = candidates[torch.argsort(self.last_use[candidates], stable=True)[:need]]
+        return self._drop(oldest)
+
+    def clear(self) -> torch.Tensor:
+        """Drop everything (SGLang flushed its cache); returns every heap row the store held."""
         self.unpin_all()
-        self._evict(self.pages())
+        return self._drop(torch.nonzero(self.last_use >= 0).flatten())
 
     # -- internals -------------------------------------------------------------------------
-    def _pages_of(self, full_ids: torch.Tensor) -> torch.Tensor:
-        slots = self.lookup(full_ids)
-        return torch.unique(slots[slots > 0] // self.page_size)
+    def _blocks_of(self, full_ids: torch.Tensor) -> torch.Tensor:
+        entries = self.entry_of[full_ids.long()]
+        return torch.unique(entries[entries > 0] // self.page_size)
 
-    def _evict(self, n_pages: int) -> None:
-        candidates = torch.nonzero((self.last_use >= 0) & ~self.pinned).flatten()
-        if candidates.numel() == 0 or n_pages <= 0:
-            return
-        oldest = torch.argsort(self.last_use[candidates], stable=True)[:n_pages]
-        pages = candidates[oldest]
-        slots = (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
-        ids = self.page_ids[pages].reshape(-1)
-        live = (ids > 0) & (self.slot_of[ids] == slots)
-        self.slot_of[ids[live]] = 0
-        self.page_ids[pages] = 0
-        self.last_use[pages] = -1
-        self.pool.free(slots)
+    def _drop(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Free `blocks`: clear the entries still pointing into them, return their heap rows."""
+        if blocks.numel() == 0:
+            return torch.empty(0, dtype=torch.int64)
+        ids = self.ids[blocks].reshape(-1)
+        entries = (blocks[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+        ours = (ids > 0) & (self.entry_of[ids] == entries)
+        self.entry_of[ids[ours]] = 0
+        rows = (self.base[blocks][:, :, None] + torch.arange(self.page_size)).reshape(-1)
+        self.ids[blocks] = 0
+        self.live[blocks] = 0
+        self.last_use[blocks] = -1
+        self.pins[blocks] = 0
+        self._free.extend(blocks.tolist())
+        return rows
 
-    def _stamp(self, pages: torch.Tensor) -> None:
-        """Newest use for `pages`, the first of them newest (see the class docstring)."""
-        n = pages.numel()
-        self.last_use[pages] = self._clock + n - torch.arange(n)
+    def _stamp(self, blocks: torch.Tensor) -> None:
+        """Newest use for `blocks`, the first of them newest: eviction takes a tail first."""
+        n = blocks.numel()
+        self.last_use[blocks] = self._clock + n - torch.arange(n)
         self._clock += n

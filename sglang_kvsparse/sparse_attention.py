@@ -12,7 +12,8 @@ import torch
 
 from sglang_kvsparse import kernels
 from sglang_kvsparse.policies import PrefillScoringInputs, ScoringPolicy
-from sglang_kvsparse.sparse_state import ForwardPlan, GroupPlan, LayerBuffers
+from sglang_kvsparse.planning import ColumnPlan, ForwardPlan
+from sglang_kvsparse.sparse_state import LaneBuffers
 
 
 def sparse_extend(
@@ -21,8 +22,8 @@ def sparse_extend(
     v: torch.Tensor,
     sm_scale: float,
     plan: ForwardPlan,
-    group: GroupPlan,
-    buffers: LayerBuffers,
+    column: ColumnPlan,
+    buffers: LaneBuffers,
     policy: ScoringPolicy,
 ) -> torch.Tensor:
     """Prefill: attend over each request's whole sequence, then store what is kept.
@@ -35,23 +36,23 @@ def sparse_extend(
     Either way the prefix was read, not written: the row gets copies. The new tokens' K/V also go
     to their store slots, for later requests that share this prompt. Returns [T, H_q, D].
     """
-    k_all, v_all, kv_indptr = sequence_kv(k, v, plan, group, buffers)
+    k_all, v_all, kv_indptr = sequence_kv(k, v, plan, column, buffers)
     positions = torch.arange(k_all.shape[0], device=k.device, dtype=torch.int64)
     o, lse = kernels.extend_attention_with_stats(
-        q, k_all, v_all, plan.qo_indptr, kv_indptr, positions, sm_scale, with_stats=group.compress
+        q, k_all, v_all, plan.qo_indptr, kv_indptr, positions, sm_scale, with_stats=column.compress
     )
-    if group.store_slots is not None and group.store_slots.numel():
-        stored = group.store_slots.numel()
-        _store(buffers, group.store_slots, k[:stored], v[:stored])
-    if not group.compress:
-        _store(buffers, group.new_slots, k_all, v_all)
+    if column.store_slots is not None and column.store_slots.numel():
+        stored = column.store_slots.numel()
+        _store(buffers, column.store_slots, k[:stored], v[:stored])
+    if not column.compress:
+        _store(buffers, column.new_slots, k_all, v_all)
         return o
     inputs = PrefillScoringInputs(q, k_all, lse, plan.qo_indptr, kv_indptr, positions, sm_scale, plan.window)
     scores = policy.score(inputs)
-    kept, kept_lens = kernels.select_kept(scores, kv_indptr, group.budget, plan.sink, plan.window)
+    kept, kept_lens = kernels.select_kept(scores, kv_indptr, column.budget, plan.sink, plan.window)
     src = kept_sources(kept, kept_lens, kv_indptr)
     heads = torch.arange(k.shape[1], device=k.device)[None, :]
-    dst = group.new_slots[:, None]
+    dst = column.new_slots[:, None]
     buffers.k[dst, heads] = k_all[src, heads].to(buffers.k.dtype)
     buffers.v[dst, heads] = v_all[src, heads].to(buffers.v.dtype)
     buffers.scores[dst, heads] = scores[src, heads]
@@ -59,7 +60,7 @@ def sparse_extend(
 
 
 def sequence_kv(
-    k: torch.Tensor, v: torch.Tensor, plan: ForwardPlan, group: GroupPlan, buffers: LayerBuffers
+    k: torch.Tensor, v: torch.Tensor, plan: ForwardPlan, column: ColumnPlan, buffers: LaneBuffers
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each request's keys and values in sequence order (cached prefix, then its new tokens),
     request-major, and their boundaries. Without prefixes that is the batch's own `k`/`v`."""
@@ -70,8 +71,8 @@ def sequence_kv(
     v_all = v.new_empty((total, *v.shape[1:]))
     k_all[plan.new_positions] = k
     v_all[plan.new_positions] = v
-    k_all[plan.prefix_positions] = buffers.k[group.prefix_slots].to(k.dtype)
-    v_all[plan.prefix_positions] = buffers.v[group.prefix_slots].to(v.dtype)
+    k_all[plan.prefix_positions] = buffers.k[column.prefix_slots].to(k.dtype)
+    v_all[plan.prefix_positions] = buffers.v[column.prefix_slots].to(v.dtype)
     return k_all, v_all, plan.kv_indptr
 
 
@@ -94,8 +95,8 @@ def sparse_decode(
     v: torch.Tensor,
     sm_scale: float,
     plan: ForwardPlan,
-    group: GroupPlan,
-    buffers: LayerBuffers,
+    column: ColumnPlan,
+    buffers: LaneBuffers,
 ) -> torch.Tensor:
     """One decode step: evict where planned, store the new token, attend over the kept slots.
 
@@ -104,15 +105,15 @@ def sparse_decode(
     runs before the new token is written, so a slot freed by this step's eviction and handed out
     again by the same step's allocation is read (as an old entry) before it is overwritten.
     """
-    if group.evict_slots is not None:
-        evict(buffers, group.evict_slots, group.budget, plan.sink, plan.window)
-    _store(buffers, group.new_slots, k, v)
+    if column.evict_slots is not None:
+        evict(buffers, column.evict_slots, column.budget, plan.sink, plan.window)
+    _store(buffers, column.new_slots, k, v)
     return kernels.decode_attention_with_scores(
-        q, buffers.k, buffers.v, group.kv_indptr, group.kv_indices, buffers.scores, sm_scale
+        q, buffers.k, buffers.v, column.kv_indptr, column.kv_indices, buffers.scores, sm_scale
     )
 
 
-def evict(buffers: LayerBuffers, old_slots: torch.Tensor, budget: int, sink: int, window: int) -> None:
+def evict(buffers: LaneBuffers, old_slots: torch.Tensor, budget: int, sink: int, window: int) -> None:
     """Keep, per row and KV head, the first `sink`, the last `window` and the best-scored rest
     of the row's old entries (`old_slots` [N, n_old], position order), up to `budget`, moved in
     position order into the row's first `budget` slots (K, V and scores, in place)."""
@@ -128,7 +129,7 @@ def evict(buffers: LayerBuffers, old_slots: torch.Tensor, budget: int, sink: int
     )
 
 
-def _store(buffers: LayerBuffers, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _store(buffers: LaneBuffers, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     buffers.k[slots] = k.to(buffers.k.dtype)
     buffers.v[slots] = v.to(buffers.v.dtype)
     buffers.scores[slots] = 0.0

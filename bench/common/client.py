@@ -49,6 +49,8 @@ class Workload:
     max_concurrency: int
     seed: int
     shared_prefix: SharedPrefix | None = None
+    #: Empty the radix cache after the warm-up request (off when clients share a server at once).
+    flush_cache: bool = True
 
     def client_args(self) -> list[str]:
         """Arguments for ``sglang.benchmark.serving``.
@@ -59,7 +61,9 @@ class Workload:
         next concurrency, or on the next system, are computed again rather than served from cache.
         """
         common = ["--backend", "sglang", "--tokenize-prompt", "--num-prompts", str(self.num_prompts),
-                  "--max-concurrency", str(self.max_concurrency), "--seed", str(self.seed), "--flush-cache"]
+                  "--max-concurrency", str(self.max_concurrency), "--seed", str(self.seed)]
+        if self.flush_cache:
+            common.append("--flush-cache")
         prefix = self.shared_prefix
         if prefix is None:
             return [

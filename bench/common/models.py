@@ -26,15 +26,21 @@ BENCH_MODELS = Path(__file__).resolve().parent.parent / "models"
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
-#: Shape a dummy model is shrunk to for a CPU dry run: the same architecture, vocabulary and
-#: rope settings, small enough to start and run on two cores in seconds.
-DRY_RUN_SHAPE = {
-    "num_hidden_layers": 4,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
+#: Config overrides of a dummy model's shapes. "dry-run": the same architecture, vocabulary and
+#: rope settings, small enough to start and run on two cores in seconds. "kv": the model's exact
+#: KV shape (layers, KV heads, head dim, context length) with a tiny hidden size, so memory
+#: accounting, admission and capacity behave as at the real size while compute is negligible.
+SHAPES: dict[str, dict[str, int]] = {
+    "full": {},
+    "dry-run": {
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+    },
+    "kv": {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8},
 }
 
 
@@ -43,15 +49,14 @@ def default_model() -> Path:
     return ensure_default_model(log=print)
 
 
-def prepare_dummy_model(name: str, dest: Path, shrink: bool = False) -> Path:
-    """Write ``bench/models/<name>/config.json`` (optionally shrunk) and a tokenizer into ``dest``.
+def prepare_dummy_model(name: str, dest: Path, shape: str = "full") -> Path:
+    """Write ``bench/models/<name>/config.json`` (with a `SHAPES` override) and a tokenizer into ``dest``.
 
     The tokenizer is generated rather than shipped: it carries no information (one placeholder
     per id), and generating it takes a tenth of a second.
     """
     config = json.loads((BENCH_MODELS / name / "config.json").read_text())
-    if shrink:
-        config.update(DRY_RUN_SHAPE)
+    config.update(SHAPES[shape])
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     _write_placeholder_tokenizer(dest, config)

@@ -41,7 +41,7 @@ class ServerSettings:
     mem_fraction_static: float | None
     decode_log_interval: int
     startup_timeout_s: float
-    shrink_model: bool = False
+    shape: str = "full"  # a dummy model's shape: common.models.SHAPES
 
     @property
     def on_gpu(self) -> bool:
@@ -52,7 +52,7 @@ def prepare_model(settings: ServerSettings, work_dir: Path) -> tuple[Path, list[
     """The model folder and the load arguments it needs."""
     if settings.model == "default":
         return default_model(), []
-    folder = prepare_dummy_model(settings.model, work_dir / "model", shrink=settings.shrink_model)
+    folder = prepare_dummy_model(settings.model, work_dir / "model", shape=settings.shape)
     return folder, ["--load-format", "dummy"]
 
 

@@ -29,14 +29,15 @@ SPARSE_BASELINE_ARGS = ["--chunked-prefill-size", "-1", "--mem-fraction-static",
 #: Sparse layers 2..29 with a budget of the whole context: nothing may change in the outputs.
 LOSSLESS_SPARSITY = ["--kvsparse-full-layers", "0,1", "--kvsparse-budget", "8192"]
 
-#: Budget 256 (evicting above 272 entries). The pool is split for 256-token requests, so the full
-#: layers get 4,096 tokens: one ~3,000-token prompt fits, and six requests of ~900 tokens do
-#: not, which with SGLang's admission made optimistic (`RETRACTING_ENV`) forces retractions.
+#: Budget 256 (evicting above 272 entries), in the KV bytes of 2,600 dense tokens: a heap of
+#: ~38,700 rows of two lanes. A ~3,000-token prompt fits (3,000 + 14 x 272 rows), and so does a
+#: ~1,600-token cached prefix in every column beside a request reusing it, but twelve requests
+#: of ~240 tokens (240 x 15 rows each at their end) do not, which with SGLang's admission made
+#: optimistic (`RETRACTING_ENV`) forces retractions.
 EVICTING_BUDGET = 256
 EVICTING_ARGS = [
-    "--dtype", "float32", "--max-total-tokens", "4096",
-    "--kvsparse-full-layers", "0,1", "--kvsparse-budget", str(EVICTING_BUDGET),
-    "--kvsparse-config", '{"pool_target_len": 256}', "--enable-metrics",
+    "--dtype", "float32", "--max-total-tokens", "2600",
+    "--kvsparse-full-layers", "0,1", "--kvsparse-budget", str(EVICTING_BUDGET), "--enable-metrics",
 ]
 RETRACTING_ENV = {"SGLANG_INIT_NEW_TOKEN_RATIO": "0.05"}
 

@@ -130,8 +130,10 @@ class Server:
 
 
 def assert_every_slot_back(stats: dict) -> None:
-    """No request holds a sparse slot: every slot is free or lends the prefix cache (evictable)."""
+    """No request holds a heap row: every row is free or cached (SGLang's radix tree, the prefix
+    store), both of which give rows back on demand."""
     assert stats["requests_running"] == 0
-    for pool in stats["pools"]:
-        assert pool["free_slots"] + pool["prefix_cache_slots"] == pool["initial_free_slots"], pool
-    assert all(row["slots_in_use"] == 0 for row in stats["layers"] if row["kind"] == "sparse")
+    heap = stats["heap"]
+    assert (heap["full_running"], heap["sparse"], heap["evicting"]) == (0, 0, 0), heap
+    assert heap["free"] + heap["full_cached"] + heap["prefix_store"] == heap["rows_total"], heap
+    assert all(row["slots_in_use"] == 0 for row in stats["layers"])

@@ -24,10 +24,9 @@ EVICT_PAGE = 16  # SparsityConfig.evict_page default
 def _assert_idle_with_every_slot_back(server) -> dict:
     stats = server.idle_stats()
     assert_every_slot_back(stats)
-    assert all(row["slots_in_use"] == 0 for row in stats["layers"])  # the full layers too
     server.flush_cache()
-    for pool in server.stats()["pools"]:  # the prefix cache gives its slots back too
-        assert pool["free_slots"] == pool["initial_free_slots"], pool
+    heap = server.stats()["heap"]  # the radix tree and the prefix store give their rows back too
+    assert heap["free"] == heap["rows_total"], heap
     return stats
 
 
@@ -63,24 +62,26 @@ def test_short_requests_below_the_budget_match_stock(evicting_server, stock_serv
         assert mine["output_ids"] == stock_server.generate(prompt, 32)["output_ids"], prompt
 
 
-def test_retractions_forced_by_a_small_pool_return_every_slot(evicting_server):
-    """Six requests of ~870 tokens at the end cannot share 4,096 full-pool tokens. SGLang admits a
-    batch by the requests' full lengths, but charges running requests only the part of their
-    output it expects (`RETRACTING_ENV`; `min_new_tokens` makes them run to the end without
-    `ignore_eos`, which SGLang would plan for). So three are sent first and three more once those
-    run: too many get in, SGLang retracts some mid-decode and re-runs them, and every request
-    completes with all its slots back."""
+def test_retractions_forced_by_a_small_heap_return_every_slot(evicting_server):
+    """Twelve requests of ~100 + 140 tokens cannot all reach their end in the heap (`EVICTING_ARGS`):
+    below the budget every layer keeps every token, so each decoded token takes a row in every
+    column. SGLang admits a batch by the requests' full lengths, but charges running requests only
+    the part of their output it expects (`RETRACTING_ENV`; `min_new_tokens` makes them run to the
+    end without `ignore_eos`, which SGLang would plan for). So three are sent first and three more
+    once those run: too many get in, SGLang retracts some mid-decode and re-runs them, and every
+    request completes with all its rows back."""
     text = essay_text(40000)
-    prompts = [text[i * 2400 : (i + 1) * 2400] + "\n\nSummarize the text above." for i in range(6)]
+    prompts = [text[i * 380 : (i + 1) * 380] + "\n\nSummarize the text above." for i in range(12)]
     log_start = len(evicting_server.log())
     with ThreadPoolExecutor(len(prompts)) as pool:
-        ask = lambda p: evicting_server.generate(p, 300, min_new_tokens=300)  # noqa: E731
-        first = [pool.submit(ask, p) for p in prompts[:3]]
+        ask = lambda p: evicting_server.generate(p, 140, min_new_tokens=140)  # noqa: E731
+        first = [pool.submit(ask, p) for p in prompts[:6]]
         deadline = time.monotonic() + 300
-        while evicting_server.stats()["requests_running"] < 3 and time.monotonic() < deadline:
+        while evicting_server.stats()["requests_running"] < 6 and time.monotonic() < deadline:
             time.sleep(0.5)
-        results = [f.result() for f in [*first, *(pool.submit(ask, p) for p in prompts[3:])]]
-    assert all(len(result["output_ids"]) == 300 for result in results)
+        results = [f.result() for f in [*first, *(pool.submit(ask, p) for p in prompts[6:])]]
+    assert all(len(result["output_ids"]) == 140 for result in results)
+    assert all(result["meta_info"]["prompt_tokens"] + 140 < EVICTING_BUDGET for result in results)
     assert "KV cache pool is full. Retract requests." in evicting_server.log()[log_start:]
     _assert_idle_with_every_slot_back(evicting_server)
 
@@ -99,3 +100,7 @@ def test_prometheus_gauges_sit_beside_sglangs(evicting_server):
         assert f"sglang_kvsparse:{name}{{" in metrics, name
     slots_total = [line for line in metrics.splitlines() if line.startswith("sglang_kvsparse:slots_total{")]
     assert len(slots_total) == 30 and any('layer="29"' in line for line in slots_total)
+    owners = [line for line in metrics.splitlines() if line.startswith("sglang_kvsparse:heap_rows{")]
+    assert {line.split('owner="')[1].split('"')[0] for line in owners} == {
+        "free", "full_running", "full_cached", "sparse", "prefix_store", "evicting"
+    }

@@ -1,4 +1,7 @@
-"""Byte accounting with hand-checked numbers for SmolLM2-135M (30 layers, 3 KV heads, dim 64, fp32)."""
+"""The heap layout and byte accounting, with hand-checked numbers.
+
+SmolLM2-135M: 30 layers, 3 KV heads, dim 64, fp32. Llama-3.1-8B: 32 layers, 8 KV heads, dim 128.
+"""
 
 import pytest
 
@@ -6,105 +9,98 @@ from sglang_kvsparse.accounting import (
     dense_kv_bytes,
     footprint_table,
     format_footprint_table,
-    held_tokens,
-    kv_bytes_in_use,
     kv_bytes_per_token,
-    request_kv_bytes,
-    split_pool,
+    row_bytes,
+    score_bytes,
 )
-from sglang_kvsparse.config import PRESETS, SparsityConfig
+from sglang_kvsparse.config import PRESETS, PyramidBudget, SparsityConfig
+from sglang_kvsparse.layout import HeapLayout, capacity_ratio, heap_rows
 
 BPT = 1536  # 2 (K, V) * 3 heads * 64 dims * 4 bytes, per layer
-DEFAULT = PRESETS["default"].resolve(num_layers=30, context_len=8192)  # full 0,1; budget 1024; evict 16
+DEFAULT = HeapLayout.from_resolved(PRESETS["default"].resolve(num_layers=30, context_len=8192))
+LLAMA = HeapLayout.from_resolved(PRESETS["default"].resolve(num_layers=32, context_len=131072))
 
 
 def test_bytes_per_token():
     assert kv_bytes_per_token(num_kv_heads=3, head_dim=64, dtype_bytes=4) == BPT
     assert 30 * BPT == 46_080
+    assert score_bytes(3) == 12 and row_bytes(DEFAULT, BPT, 12) == 2 * (1536 + 12)
 
 
-def test_held_tokens_per_layer():
-    assert held_tokens(DEFAULT, 0, 4096) == 4096
-    assert held_tokens(DEFAULT, 2, 4096) == 1040  # budget + one eviction page
-    assert held_tokens(DEFAULT, 2, 700) == 700
-    assert held_tokens(DEFAULT, 2, 700, page_size=16) == 704
-    assert held_tokens(DEFAULT, 2, 4096, page_size=64) == 1088
+def test_default_layout_pairs_sparse_layers_on_the_full_layers_lanes():
+    assert DEFAULT.lanes == 2 and DEFAULT.full_layers == (0, 1)
+    [group] = DEFAULT.groups
+    assert (group.budget, group.max_entries, len(group.columns)) == (1024, 1040, 14)
+    assert group.columns[0].layers == (2, 3) and group.columns[-1].layers == (28, 29)
+    assert DEFAULT.sparse_slots[5].column == 1 and DEFAULT.sparse_slots[5].lane == 1
+    assert DEFAULT.idle_lanes == 0 and DEFAULT.budget(5) == 1024 and DEFAULT.budget(0) is None
 
 
-def test_request_bytes_hand_checked():
-    # 4096 tokens: 2 full layers * 4096 + 28 sparse layers * 1040 = 37,312 layer-tokens.
-    assert request_kv_bytes(4096, DEFAULT, BPT) == 37_312 * 1536 == 57_311_232
-    assert dense_kv_bytes(4096, 30, BPT) == 4096 * 46_080 == 188_743_680
-    # Shorter than budget + page: everything is kept, same as dense.
-    assert request_kv_bytes(1040, DEFAULT, BPT) == dense_kv_bytes(1040, 30, BPT)
-    assert request_kv_bytes(1041, DEFAULT, BPT) == (2 * 1041 + 28 * 1040) * BPT
-    assert dense_kv_bytes(1000, 30, BPT, page_size=16) == 1008 * 46_080
+def test_rows_held_hand_checked():
+    # 4096 tokens: SGLang's ids 4096 rows + 14 columns * 1040 entries = 18,656 rows of 2 lanes.
+    assert DEFAULT.rows_held(4096) == 4096 + 14 * 1040 == 18_656
+    assert DEFAULT.dense_rows(4096) == 4096 * 15
+    # Up to budget + page nothing is dropped: the same bytes as stock.
+    assert DEFAULT.rows_held(1040) == DEFAULT.dense_rows(1040) == 1040 * 15
+    assert DEFAULT.rows_held(700, page_size=16) == 704 * 15
+    assert DEFAULT.rows_held(4096, page_size=64) == 4096 + 14 * 1088
 
 
-def test_disabled_and_keep_all_equal_dense():
-    off = PRESETS["off"].resolve(30, 8192)
-    keep_all = SparsityConfig(budget=100_000).resolve(30, 8192)
-    for n in (1, 4096, 8192):
-        assert request_kv_bytes(n, off, BPT) == dense_kv_bytes(n, 30, BPT)
-        assert request_kv_bytes(n, keep_all, BPT) == dense_kv_bytes(n, 30, BPT)
+def test_capacity_follows_the_equal_bytes_bound_at_every_length():
+    """The bound of issue 11 (Llama-3.1-8B, layers 0-1 full, budget 1,024), before score bytes."""
+    bound = {1024: 1.0, 2048: 1.86, 4096: 3.33, 8192: 5.51, 16384: 8.2, 32768: 10.8}
+    for length, ratio in bound.items():
+        assert capacity_ratio(LLAMA, length) == pytest.approx(ratio, abs=0.01 if ratio < 5 else 0.06), length
+    assert capacity_ratio(LLAMA, 512) == 1.0  # never below stock, whatever the length
+    # With the scores' bytes (one float32 per KV head beside each 2*8*128*2-byte entry).
+    overhead = score_bytes(8) / kv_bytes_per_token(8, 128, 2)
+    assert capacity_ratio(LLAMA, 4096, score_overhead=overhead) == pytest.approx(3.30, abs=0.01)
 
 
-def test_kv_bytes_in_use():
-    sparse = {layer: 100 for layer in DEFAULT.sparse_layers}
-    assert kv_bytes_in_use(500, sparse, DEFAULT, BPT) == (500 * 2 + 100 * 28) * BPT
+def test_heap_rows_are_the_bytes_of_stocks_pool():
+    total = 16384 * 30 * BPT  # --max-total-tokens 16384 in stock SGLang
+    rows = heap_rows(total, DEFAULT.lanes, BPT, 12)
+    assert rows == total // (2 * 1548) == 243_854
+    assert heap_rows(total, DEFAULT.lanes, BPT, 12, page_size=16) == 243_840
+    # A request that fits stock's pool fits the heap too (up to the scores' 0.8%).
+    assert DEFAULT.longest_fitting(rows) >= 8192
+    assert DEFAULT.rows_held(DEFAULT.longest_fitting(rows)) <= rows < DEFAULT.rows_held(DEFAULT.longest_fitting(rows) + 1)
 
 
-def test_split_pool_hand_checked():
-    total = 10_000 * 30 * BPT  # --max-total-tokens 10000 in stock SGLang
-    split = split_pool(total, DEFAULT, BPT, target_len=4096)
-    # per request at 4096: 2 * 4096 + 28 * 1040 = 37,312 layer-tokens out of 300,000.
-    assert split.full_tokens == 300_000 * 4096 // 37_312 == 32_933
-    assert set(split.sparse_slots.values()) == {300_000 * 1040 // 37_312} == {8361}
-    assert sorted(split.sparse_slots) == list(range(2, 30))
-    assert split.dense_tokens == 10_000
-    assert split.requests_at_target == 8 and split.dense_requests_at_target == 2
-    assert split.used_bytes == 299_974 * BPT <= total
-    assert "8 requests of 4096 tokens" in split.describe()
+def test_no_full_layer_means_one_lane_and_sglangs_ids_cost_a_row():
+    layout = HeapLayout.from_resolved(PRESETS["snapkv"].resolve(30, 8192))
+    assert layout.lanes == 1 and len(layout.groups[0].columns) == 30
+    assert layout.rows_held(4096) == 4096 + 30 * 1040
+    assert layout.dense_rows(4096) == 4096 * 30
 
 
-def test_split_pool_charges_the_score_bytes_of_sparse_slots():
-    total = 10_000 * 30 * BPT
-    slot_bytes = BPT + BPT // 64  # fp32 scores of a bf16, D=128 layer: 1/64 of its K+V bytes
-    split = split_pool(total, DEFAULT, BPT, target_len=4096, sparse_slot_bytes=slot_bytes)
-    plain = split_pool(total, DEFAULT, BPT, target_len=4096)
-    assert split.full_tokens < plain.full_tokens and split.sparse_slots[2] < plain.sparse_slots[2]
-    assert total - slot_bytes * 29 <= split.used_bytes <= total
-    with pytest.raises(ValueError, match="below bytes_per_token"):
-        split_pool(total, DEFAULT, BPT, sparse_slot_bytes=BPT - 1)
+def test_pyramid_columns_take_their_larger_budget():
+    config = SparsityConfig(full_layers=(0, 1), budget=PyramidBudget(tokens=512, min_ratio=0.1))
+    resolved = config.resolve(10, 8192)
+    layout = HeapLayout.from_resolved(resolved)
+    budgets = sorted((resolved.budget(layer) for layer in resolved.sparse_layers), reverse=True)
+    assert [g.budget for g in reversed(layout.groups)] == budgets[::2]  # pairs share the larger
+    assert layout.idle_lanes == 0 and sum(len(g.columns) for g in layout.groups) == 4
+    uniform_pyramid = HeapLayout.from_resolved(
+        SparsityConfig(budget=PyramidBudget(tokens=512, min_ratio=0.1)).resolve(10, 8192)
+    )
+    assert [g.budget for g in uniform_pyramid.groups] == sorted(
+        SparsityConfig(budget=PyramidBudget(tokens=512, min_ratio=0.1)).resolve(10, 8192).budget(layer)
+        for layer in range(10)
+    )  # one lane: every layer its exact budget
 
 
-def test_split_pool_rounds_to_pages_and_defaults_to_context():
-    total = 10_000 * 30 * BPT
-    paged = split_pool(total, DEFAULT, BPT, target_len=4096, page_size=16)
-    assert paged.full_tokens == 32_928 and set(paged.sparse_slots.values()) == {8352}
-    by_context = split_pool(total, DEFAULT, BPT)
-    assert by_context.target_len == 8192
-    configured = SparsityConfig(full_layers=(0, 1), pool_target_len=4096).resolve(30, 8192)
-    assert split_pool(total, configured, BPT).full_tokens == 32_933
-    assert split_pool(total, DEFAULT, BPT, target_len=100_000).target_len == 8192
-    with pytest.raises(ValueError):
-        split_pool(total, DEFAULT, BPT, target_len=0)
+def test_a_last_column_with_fewer_layers_than_lanes_is_reported():
+    layout = HeapLayout.from_resolved(SparsityConfig(full_layers=(0, 1, 2)).resolve(30, 8192))
+    assert layout.lanes == 3 and layout.idle_lanes == 0  # 27 sparse layers in 9 columns
+    layout = HeapLayout.from_resolved(SparsityConfig(full_layers=(0, 1, 2)).resolve(31, 8192))
+    assert layout.idle_lanes == 2 and "lane(s) idle" in layout.describe()
 
 
-def test_split_pool_degenerate_configs():
-    total = 1_000 * 30 * BPT
-    dense = split_pool(total, PRESETS["off"].resolve(30, 8192), BPT)
-    assert dense.full_tokens == dense.dense_tokens == 1_000 and dense.sparse_slots == {}
-    all_sparse = split_pool(total, PRESETS["snapkv"].resolve(30, 8192), BPT, target_len=4096)
-    assert all_sparse.full_tokens == 0 and set(all_sparse.sparse_slots.values()) == {1_000}
-    assert all_sparse.requests_at_target == 0  # 1,000 slots cannot hold one 1,040-entry request
-
-
-def test_footprint_table():
-    rows = footprint_table(DEFAULT, BPT)
-    assert [row.seq_len for row in rows] == [1024, 4096, 8192]  # 16k, 32k beyond context: context shown
-    assert rows[1].kv_bytes == 57_311_232 and rows[1].dense_bytes == 188_743_680
+def test_footprint_table_lines():
+    rows = footprint_table(DEFAULT, BPT, 0, context_len=8192, lengths=(1024, 4096, 100_000))
+    assert [r.seq_len for r in rows] == [1024, 4096, 8192]
+    assert rows[1].kv_bytes == 18_656 * 2 * BPT and rows[1].dense_bytes == dense_kv_bytes(4096, 30, BPT)
     assert rows[0].ratio == 1.0
     text = format_footprint_table(rows)
-    assert text.splitlines()[1] == "4096 tokens: 54.7 MiB vs 180.0 MiB dense (30.4%)"
-    assert [r.seq_len for r in footprint_table(PRESETS["default"].resolve(30, 32768), BPT)] == [1024, 4096, 16384, 32768]
+    assert "4096 tokens:" in text and "3.29x the requests" in text

@@ -1,98 +1,96 @@
-"""Admission to the sparse pools (`sglang_kvsparse.admission`), without SGLang."""
+"""What admission charges for the sparse layers (`sglang_kvsparse.admission`), without SGLang.
+
+`admit` below is SGLang's admission rule over the heap, as `patches/admission.py` feeds it: a new
+request fits when its full-pool tokens plus its sparse rows are below the heap's free and
+reclaimable rows, less what the running requests may still take.
+"""
 
 import torch
 
-from sglang_kvsparse.admission import SparseAdmission
-from sglang_kvsparse.config import SparsityConfig
-from sglang_kvsparse.sparse_state import SparseState
+from sglang_kvsparse.admission import AdmissionRound, running_growth
+
+from .heap import grow, make_state
 
 BUDGET, EVICT_PAGE, PAGE = 8, 4, 2  # max_entries 12: 6 pages of 2
 
 
-def make_state(slots: int, prefix_cache: bool = False) -> SparseState:
-    config = SparsityConfig(full_layers=(0,), budget=BUDGET, sink=1, window=2, evict_page=EVICT_PAGE)
-    resolved = config.resolve(3, 64)
-    return SparseState(
-        resolved,
-        slots_per_layer={1: slots, 2: slots},
-        max_requests=8,
-        num_kv_heads=2,
-        head_dim=4,
-        dtype=torch.float32,
-        dense_capacity=1000,
-        page_size=PAGE,
-        prefix_cache=prefix_cache,
-    )
-
-
-def grow(state: SparseState, rows, lengths) -> None:
-    state.alloc_to_lengths(req_pool_indices_cpu=torch.tensor(rows), target_seq_lens_cpu=torch.tensor(lengths))
+def state_on_heap(rows: int, prefix_cache: bool = False):
+    # 4 layers: layer 0 full (one lane), layers 1..3 sparse (three columns)
+    return make_state(num_layers=4, rows=rows, page=PAGE, budget=BUDGET, evict_page=EVICT_PAGE, window=2,
+                      prefix_cache=prefix_cache)
 
 
 def test_requests_are_charged_their_largest_footprint_capped_at_max_entries():
-    state = make_state(slots=24)  # 12 pages
-    assert state.pages_to_hold(3) == [2] and state.pages_to_hold(100) == [6]
-    admission = SparseAdmission(state, running=[])
-    assert admission.fits(100)
-    admission.reserve(100)
-    admission.reserve(5)  # 3 pages
-    assert admission.free_pages == [3] and admission.admitted == 2
-    assert not admission.fits(100) and admission.fits(6)
+    state, _ = state_on_heap(rows=240)
+    assert state.rows_to_hold(3) == 3 * 4  # 3 columns, 2 pages of 2
+    assert state.rows_to_hold(100) == 3 * 12  # budget + eviction page, whatever the length
+    # Below the budget every sparse layer keeps every token: full + sparse = stock's rows.
+    full_rows = 4
+    assert full_rows + state.rows_to_hold(4) == state.layout.dense_rows(4)
 
 
-def test_running_requests_are_charged_what_they_may_still_grow_by():
-    state = make_state(slots=24)
-    grow(state, [1], [20])  # holds 8 entries = 4 pages, may grow to 12 entries = 6 pages
-    grow(state, [2], [3])  # holds 2 pages, ends at 5 tokens = 3 pages
-    admission = SparseAdmission(state, running=[(1, 40), (2, 5)])
-    assert admission.free_pages == [12 - 4 - 2 - 2 - 1]
-    assert admission.fits(6) and not admission.fits(7)
+def test_running_requests_are_charged_what_they_may_still_grow_by_scaled_as_sglang_scales():
+    state, _ = state_on_heap(rows=240)
+    grow(state, [1], [20])  # holds 8 entries = 4 pages per column, may grow to 12 = 6 pages
+    grow(state, [2], [3])  # holds 2 pages per column, ends at 5 tokens = 3 pages
+    assert running_growth(state, [(1, 40, 1.0), (2, 5, 1.0)]) == 3 * (4 + 2)
+    # SGLang charges a running request ratio * its remaining tokens; a request below the budget
+    # grows by one row per column per token, so its sparse charge scales by the same ratio.
+    assert running_growth(state, [(2, 5, 0.5)]) == 0.5 * 3 * 2
 
 
-def test_admitted_requests_never_exhaust_the_pool_while_they_grow():
+def test_admitted_requests_decode_to_their_end_without_exhausting_the_heap():
     """What admission promises holds: every admitted request decodes to its final length."""
-    state = make_state(slots=24)
+    state, heap = state_on_heap(rows=160)
     finals = {1: 40, 2: 9, 3: 30, 4: 12}
-    admitted = []
+    admitted: dict[int, torch.Tensor] = {}
+    lengths: dict[int, int] = {}
     for row, final in finals.items():
-        admission = SparseAdmission(state, running=[(r, finals[r]) for r in admitted])
-        if admission.fits(final):
-            grow(state, [row], [final // 2])
-            admitted.append(row)
-    assert admitted == [1, 2]  # 6 + 5 pages promised; a third would need 6 more
-    lengths = {row: finals[row] // 2 for row in admitted}
+        running = [(r, finals[r], 1.0) for r in admitted]
+        stock = sum(finals[r] - lengths[r] for r in admitted)  # SGLang's own reserve (ratio 1)
+        remaining = heap.free_rows() + state.reclaimable_rows() - stock - running_growth(state, running)
+        prompt = final // 2
+        charge = prompt + (final - prompt) + PAGE + state.rows_to_hold(final)
+        if charge < remaining:
+            admitted[row] = heap.sglang_alloc(-(-prompt // PAGE) * PAGE)
+            grow(state, [row], [prompt])
+            lengths[row] = prompt
+    assert sorted(admitted) == [1, 2]  # rows 3 and 4 would not fit beside them
     while any(lengths[row] < finals[row] for row in admitted):
         rows = [row for row in admitted if lengths[row] < finals[row]]
-        grow(state, rows, [lengths[row] + 1 for row in rows])
-        state.plan_decode(rows)
-        lengths.update({row: lengths[row] + 1 for row in rows})
-        for row in admitted:  # no SlotPoolExhausted above, and each row within its charge
-            assert state.pages_held(row) <= state.pages_to_hold(finals[row])
-    assert state.pages_held(2) == [5]
+        for row in rows:
+            if lengths[row] % PAGE == 0:
+                admitted[row] = torch.cat([admitted[row], heap.sglang_alloc(PAGE)])
+        grow(state, rows, [lengths[row] + 1 for row in rows])  # never HeapExhausted
+        state.finish_forward()
+        for row in rows:
+            state.groups[0].evictions.pop(row, None)  # the forward moved the survivors
+            lengths[row] += 1
+            assert state.rows_held(row) <= state.rows_to_hold(finals[row])
 
 
-def test_cached_prefixes_count_as_free_until_a_request_pins_its_own():
-    state = make_state(slots=24, prefix_cache=True)  # 12 pages
-    store = state.stores[0]
-    store.put(torch.arange(1, 13))  # a finished prompt's 12 entries: 6 pages, evictable
-    assert SparseAdmission(state, running=[]).free_pages == [12]
-    admission = SparseAdmission(state, running=[])
-    reuse = torch.arange(1, 9)  # a request reusing 8 of them pins 4 pages
-    assert admission.fits(100, reuse)  # 6 pages for its row + 4 pinned <= 12
-    admission.reserve(100, reuse)
-    assert admission.free_pages == [2] and store.evictable_pages() == 2
-    assert not admission.fits(5, torch.arange(1, 13))  # 3 + the 2 pages still unpinned > 2
-    assert SparseAdmission(state, running=[]).free_pages == [12]  # a new round unpins
+def test_a_pinned_prefix_stops_counting_as_free():
+    state, heap = state_on_heap(rows=240, prefix_cache=True)
+    ids = heap.sglang_alloc(12)
+    state.store.put(ids, state.take_for_store(12 * 3))  # a finished prompt's 12 tokens, evictable
+    assert state.reclaimable_rows() == 36
+    assert state.prefix_rows_to_pin(ids[:8]) == 24
+    state.pin_prefix(ids[:8])  # a request reusing 8 of them is admitted
+    assert state.reclaimable_rows() == 12 and state.prefix_rows_to_pin(ids) == 12
+    state.unpin_prefix(ids[:8])  # ...or refused after all
+    assert state.reclaimable_rows() == 36
+    state.pin_prefix(ids[:8])
+    state.finish_forward()  # its forward was issued
+    assert state.reclaimable_rows() == 36
 
 
 def test_a_request_sharing_a_prompt_admitted_this_round_waits_for_its_prefix():
-    state = make_state(slots=24, prefix_cache=True)
     system = list(range(1000, 1300))  # a 300-token system prompt nobody has cached yet
-    admission = SparseAdmission(state, running=[])
+    round_ = AdmissionRound()
     first = system + [1, 2, 3]
-    assert not admission.should_wait(first, prefix_len=0)  # nothing admitted yet: it goes first
-    admission.reserve(10, token_ids=first)
-    assert admission.should_wait(system + [7, 8], prefix_len=0)  # would share 300 tokens
-    assert not admission.should_wait(system + [7, 8], prefix_len=100)  # only 200 more than its hit
-    assert not admission.should_wait([5] + system, prefix_len=0)  # shares nothing
-    assert not SparseAdmission(state, running=[]).should_wait(system + [7, 8], prefix_len=0)  # next round
+    assert not round_.should_wait(first, prefix_len=0)  # nothing admitted yet: it goes first
+    round_.admitted(first)
+    assert round_.should_wait(system + [7, 8], prefix_len=0)  # would share 300 tokens
+    assert not round_.should_wait(system + [7, 8], prefix_len=100)  # only 200 more than its hit
+    assert not round_.should_wait([5] + system, prefix_len=0)  # shares nothing
+    assert not AdmissionRound().should_wait(system + [7, 8], prefix_len=0)  # next round

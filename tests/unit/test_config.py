@@ -184,7 +184,7 @@ def test_to_dict_round_trips(name):
 
 def test_round_trip_of_pyramid_and_list():
     for config in (
-        SparsityConfig(budget=PyramidBudget(700, 0.5), pool_kind="avg", pool_kernel=5, pool_target_len=4500),
+        SparsityConfig(budget=PyramidBudget(700, 0.5), pool_kind="avg", pool_kernel=5),
         SparsityConfig(full_layers=(0,), budget=(64, 128, 256), policy="keynorm"),
     ):
         assert parse_config(json.dumps(config.to_dict())) == config

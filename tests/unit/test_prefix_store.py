@@ -1,105 +1,111 @@
-"""PrefixStore: full-pool ids to store slots, borrowed from a slot pool and given back on demand."""
+"""PrefixStore: full-pool ids to heap rows of every sparse column, in borrowed blocks."""
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_kvsparse.index_map import SlotPool
 from sglang_kvsparse.prefix_store import PrefixStore
+
+from .heap import FreeList
 
 
 def ids(start: int, stop: int) -> torch.Tensor:
     return torch.arange(start, stop)
 
 
+def make(rows: int = 64, columns: int = 2, page: int = 1) -> tuple[PrefixStore, FreeList]:
+    heap = FreeList(rows, page)
+    return PrefixStore(num_full_ids=128, columns=columns, page_size=page, max_blocks=rows // (columns * page)), heap
+
+
+def put(store: PrefixStore, heap: FreeList, span: torch.Tensor) -> torch.Tensor:
+    """Store the span in as many blocks as the heap's free rows allow (best effort)."""
+    blocks = min(-(-span.numel() // store.page_size), heap.free_rows() // store.rows_per_block)
+    rows = heap.take(blocks * store.rows_per_block) if blocks else torch.empty(0, dtype=torch.int64)
+    return store.put(span, rows)
+
+
 def test_put_lookup_and_the_leading_run_of_entries():
-    store = PrefixStore(SlotPool(16), num_full_ids=64)
-    slots = store.put(ids(10, 15))
-    assert slots.numel() == 5 and bool((slots > 0).all()) and slots.unique().numel() == 5
-    assert torch.equal(store.lookup(ids(10, 15)), slots)
+    store, heap = make()
+    rows = put(store, heap, ids(10, 15))
+    assert rows.shape == (5, 2) and rows.unique().numel() == 10
+    assert torch.equal(store.lookup(ids(10, 15)), rows)
     assert store.valid_prefix_len(ids(10, 15)) == 5
     assert store.valid_prefix_len(torch.tensor([10, 11, 40, 12])) == 2  # stops at the first miss
     assert store.valid_prefix_len(torch.tensor([], dtype=torch.int64)) == 0
-    assert store.slots() == 5 and store.pool.available_slots() == 11
+    assert store.rows() == 10 and heap.free_rows() == 54
 
 
-def test_invalidated_ids_are_forgotten_and_their_page_goes_at_eviction():
-    store = PrefixStore(SlotPool(8), num_full_ids=64)
-    first = store.put(ids(1, 5))
-    store.invalidate(ids(3, 4))  # SGLang allocated id 3 to a new token
+def test_a_freed_id_is_forgotten_and_an_emptied_block_gives_its_rows_back():
+    store, heap = make(page=2)
+    put(store, heap, ids(1, 5))  # 2 blocks of 2 tokens, 4 rows each
+    assert heap.give(store.forget(ids(3, 4))) is None and store.rows() == 8  # block 2 still holds id 4
     assert store.valid_prefix_len(ids(1, 5)) == 2
-    again = store.put(ids(3, 4))  # the new token is a prompt token: stored afresh
-    assert store.lookup(ids(3, 4)).item() == again.item() != first[2].item()
-    store.reclaim(store.pool.available_pages() + 4)  # the first put's 4 pages, the stale one too
-    assert store.slots() == 1 and store.lookup(ids(3, 4)).item() == again.item()  # id 3's new entry stays
-    assert int(store.lookup(torch.tensor([1, 2, 4])).count_nonzero()) == 0
+    heap.give(store.forget(ids(4, 5)))
+    assert store.rows() == 4 and heap.free_rows() == 60
+    again = put(store, heap, ids(3, 4))  # SGLang gave id 3 to a new prompt token: stored afresh
+    assert store.valid_prefix_len(ids(3, 4)) == 1 and again.shape == (1, 2)
 
 
-def test_eviction_takes_least_recently_used_pages_and_tails_before_heads():
-    store = PrefixStore(SlotPool(8), num_full_ids=64)
-    store.put(ids(1, 4))  # sequence A, used first
-    store.put(ids(10, 14))  # sequence B
-    store.touch(store.lookup(ids(1, 4)))  # A is read again: now B is the older one
-    store.reclaim(store.pool.available_pages() + 2)
+def test_reclaim_takes_least_recently_used_blocks_and_tails_before_heads():
+    store, heap = make(rows=14)
+    put(store, heap, ids(1, 4))  # sequence A, used first
+    put(store, heap, ids(10, 14))  # sequence B
+    store.touch(ids(1, 4))  # A is read again: now B is the older one
+    heap.give(store.reclaim(4))  # two blocks' worth
     assert store.valid_prefix_len(ids(1, 4)) == 3
     assert store.valid_prefix_len(ids(10, 14)) == 2  # B lost its tail, kept its head
 
 
-def test_pinned_pages_survive_reclaim_and_best_effort_puts():
-    store = PrefixStore(SlotPool(4), num_full_ids=64)
-    store.put(ids(1, 5))
+def test_pinned_blocks_are_not_reclaimable_until_unpinned():
+    store, heap = make(rows=8)
+    put(store, heap, ids(1, 5))
     store.pin(ids(1, 3))
-    assert store.unpinned_pages_of(ids(1, 5)) == 2 and store.evictable_pages() == 2
-    stored = store.put(ids(20, 25))  # needs 5 pages: gets the 2 unpinned ones
-    assert stored.numel() == 2 and store.valid_prefix_len(ids(1, 5)) == 2
-    assert store.valid_prefix_len(ids(20, 25)) == 2
+    store.pin(ids(1, 2))  # pins count: two requests read id 1
+    assert store.unpinned_rows_of(ids(1, 5)) == 4 and store.reclaimable_rows() == 4
+    heap.give(store.reclaim(8))
+    assert store.valid_prefix_len(ids(1, 5)) == 2
+    store.unpin(ids(1, 3))
+    assert store.reclaimable_rows() == 2  # id 1 is still pinned once
     store.unpin_all()
-    store.clear()
-    assert store.slots() == 0 and store.pool.available_slots() == 4
-
-
-def test_pages_larger_than_one_slot():
-    store = PrefixStore(SlotPool(12, page_size=4), num_full_ids=64)
-    slots = store.put(ids(1, 7))  # 6 entries in 2 pages
-    assert store.pages() == 2 and store.slots() == 8 and slots.numel() == 6
-    store.pin(ids(1, 2))
-    assert store.evictable_pages() == 1
-    store.reclaim(3)
-    assert store.valid_prefix_len(ids(1, 7)) == 4  # the second page (entries 5..6) went
+    heap.give(store.clear())
+    assert store.rows() == 0 and heap.free_rows() == 8
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["put", "invalidate", "pin", "unpin", "rows", "free_rows"]),
+@given(st.lists(st.tuples(st.sampled_from(["put", "forget", "pin", "unpin", "take", "give"]),
                           st.integers(1, 40), st.integers(1, 9)), max_size=40))
-def test_entries_and_pages_stay_consistent(ops):
-    """Whatever happens, each entry points at a store page that names its id, pinned pages keep
-    their entries, and the pool's used pages are the store's plus the rows'."""
-    pool = SlotPool(24, page_size=2)
-    store = PrefixStore(pool, num_full_ids=64)
-    rows: list[torch.Tensor] = []
+def test_entries_and_rows_stay_consistent(ops):
+    """Whatever happens, each entry's block names its id, pinned blocks keep their entries, and the
+    heap's used rows are the store's plus the other owners'."""
+    store, heap = make(rows=48, columns=2, page=2)
+    taken: list[torch.Tensor] = []
+    live: set[int] = set()  # ids SGLang holds (stored ones among them)
     for op, start, n in ops:
         span = ids(start, start + n)
-        if op == "put":
-            store.invalidate(span)
-            store.put(span)
-        elif op == "invalidate":
-            store.invalidate(span)
+        fresh = torch.tensor([i for i in span.tolist() if i not in live], dtype=torch.int64)
+        if op == "put" and fresh.numel():
+            live.update(fresh.tolist())
+            put(store, heap, fresh)
+        elif op == "forget":
+            live.difference_update(span.tolist())
+            heap.give(store.forget(span))
         elif op == "pin":
             store.pin(span)
         elif op == "unpin":
             store.unpin_all()
-        elif op == "rows":  # a request row takes pages, evicting store pages if it must
-            pinned_before = {int(i) for i in torch.nonzero(store.slot_of).flatten()
-                             if store.pinned[store.slot_of[i] // 2]}
-            if n <= pool.available_pages() + store.evictable_pages():
-                store.reclaim(n)
-                rows.append(pool.alloc_pages(n))
-            assert all(store.slot_of[i] > 0 for i in pinned_before)
-        elif rows:
-            pool.free(rows.pop())
-        live = torch.nonzero(store.slot_of).flatten()
-        slots = store.slot_of[live]
-        assert torch.equal(store.page_ids.reshape(-1)[slots], live)
-        assert bool((store.last_use[slots // 2] >= 0).all())
-        row_pages = sum(r.numel() for r in rows) // 2
-        assert pool.num_pages - pool.available_pages() == store.pages() + row_pages
+        elif op == "take":  # another owner takes rows, reclaiming store blocks if it must
+            pinned = {i for i in range(128) if store.entry_of[i] and store.pins[store.entry_of[i] // 2]}
+            rows = 2 * n
+            if rows <= heap.free_rows() + store.reclaimable_rows():
+                heap.give(store.reclaim(rows - heap.free_rows()))
+                taken.append(heap.take(rows))
+            assert all(store.entry_of[i] > 0 for i in pinned)
+        elif taken:
+            heap.give(taken.pop())
+        entries = torch.nonzero(store.entry_of).flatten()
+        blocks, offsets = store.entry_of[entries] // 2, store.entry_of[entries] % 2
+        assert torch.equal(store.ids[blocks, offsets], entries)
+        assert bool((store.last_use[blocks] >= 0).all())
+        assert set(entries.tolist()) <= live
+        assert 48 - heap.free_rows() == store.rows() + sum(t.numel() for t in taken)

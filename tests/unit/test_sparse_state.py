@@ -1,149 +1,32 @@
-"""SparseState (the aux cache of the sparse layers) and the sparse layer forward, without SGLang."""
+"""SparseState (the aux cache of the sparse layers) on a heap, and the sparse layer forward,
+without SGLang."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_kvsparse.config import SparsityConfig
-from sglang_kvsparse.index_map import IndexMapError, SlotPoolExhausted
+from sglang_kvsparse import kernels
+from sglang_kvsparse.planning import plan_decode, plan_extend
+from sglang_kvsparse.policies import PrefillScoringInputs
+from sglang_kvsparse.row_table import HeapError, HeapExhausted
 from sglang_kvsparse.sparse_attention import sparse_decode, sparse_extend
-from sglang_kvsparse.sparse_state import SparseState
+from sglang_kvsparse.stats import collect
 
-H_KV, G, D = 2, 3, 8
+from .heap import D, H_KV, grow, make_state
 
-
-def make_state(
-    num_layers=4, context=64, slots=256, page=1, max_requests=8, budget=None, window=2, evict_page=16,
-    prefix_cache=False, pool_kernel=1,
-):
-    config = SparsityConfig(  # pool_kernel 1: no pooling, so no score ties
-        full_layers=(0,), budget=budget or context, sink=1, window=window, pool_kernel=pool_kernel,
-        evict_page=evict_page,
-    )
-    resolved = config.resolve(num_layers, context)
-    return SparseState(
-        resolved,
-        slots_per_layer={layer: slots for layer in resolved.sparse_layers},
-        max_requests=max_requests,
-        num_kv_heads=H_KV,
-        head_dim=D,
-        dtype=torch.float32,
-        dense_capacity=slots,
-        page_size=page,
-        prefix_cache=prefix_cache,
-    )
+G = 3  # query heads per KV head
 
 
-def grow(state: SparseState, rows, lengths) -> None:
-    state.alloc_to_lengths(req_pool_indices_cpu=torch.tensor(rows), target_seq_lens_cpu=torch.tensor(lengths))
+def lane_of(state, layer):
+    slot = state.layout.sparse_slots[layer]
+    return state.lanes[slot.lane], slot
 
 
-def test_groups_share_one_map_and_layers_have_own_buffers():
-    state = make_state()
-    assert state.is_sparse(1) and not state.is_sparse(0)
-    assert len(state.maps) == 1 and set(state.group_of) == {1, 2, 3}
-    assert state.buffers[1].k.data_ptr() != state.buffers[2].k.data_ptr()
-    assert state.buffers[1].k.shape == (257, H_KV, D) and state.buffers[1].scores.dtype == torch.float32
-
-
-def test_prefill_then_decode_then_free_returns_every_slot():
-    state = make_state(page=4)
-    grow(state, [1, 2], [5, 3])
-    assert state.maps[0].length(1) == 5 and state.maps[0].length(2) == 3
-    grow(state, [1, 2], [6, 4])
-    assert state.stats()["requests_running"] == 2
-    state.free(1)
-    state.free(2)
-    state.free(3)  # never allocated: a no-op, as SGLang frees rows whose aux alloc never ran
-    pool = state.stats()["pools"][0]
-    assert pool["free_slots"] == pool["initial_free_slots"] == 256
-
-
-def test_refuses_jumps_and_exhaustion_without_partial_state():
-    state = make_state(num_layers=4, context=64, budget=8, slots=16)
-    grow(state, [1, 2], [4, 30])
-    assert state.maps[0].length(2) == 8  # a prefill keeps min(length, budget)
-    with pytest.raises(IndexMapError, match="one decode token"):
-        grow(state, [1], [6])
-    with pytest.raises(SlotPoolExhausted):
-        grow(state, [1, 2, 3], [5, 31, 8])  # 1 + 1 + 8 slots, 4 free
-    assert state.maps[0].length(1) == 4 and state.maps[0].length(2) == 8
-    assert not state.maps[0].is_active(3) and state.maps[0].pool.available_slots() == 4
-
-
-def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries():
-    torch.manual_seed(2)
-    budget, sink, window, evict_page = 8, 1, 2, 4
-    state = make_state(budget=budget, window=window, evict_page=evict_page)
-    index_map, buffers = state.maps[0], state.buffers[1]
-    grow(state, [1, 2], [20, 3])
-    for n in range(1, evict_page + 1):  # row 1 grows to budget + evict_page entries
-        grow(state, [1, 2], [20 + n, 3 + n])
-        state.plan_decode([1, 2])
-    assert index_map.length(1) == budget + evict_page
-    old = index_map.slots(1)
-    buffers.k[old] = torch.randn(old.numel(), H_KV, D)
-    buffers.v[old] = torch.randn(old.numel(), H_KV, D)
-    buffers.scores[old] = torch.rand(old.numel(), H_KV)
-    k_old, v_old, s_old = buffers.k[old].clone(), buffers.v[old].clone(), buffers.scores[old].clone()
-
-    grow(state, [1, 2], [25, 8])
-    assert index_map.length(1) == budget + 1 and index_map.length(2) == 8  # row 2 is below its budget
-    plan = state.plan_decode([1, 2])
-    group = state.group_plan(plan, 1)
-    assert group.evict_slots.shape == (1, budget + evict_page)
-    qd, kd, vd = torch.randn(2, H_KV * G, D), torch.randn(2, H_KV, D), torch.randn(2, H_KV, D)
-    od = sparse_decode(qd, kd, vd, 0.3, plan, group, buffers)
-
-    slots = index_map.slots(1)
-    n_old = budget + evict_page
-    for h in range(H_KV):
-        rest = sorted(range(sink, n_old - window), key=lambda p: -float(s_old[p, h]))
-        expected = sorted([*range(sink), *range(n_old - window, n_old), *rest[: budget - sink - window]])
-        assert torch.equal(buffers.k[slots[:budget], h], k_old[expected, h]), h
-        assert torch.equal(buffers.v[slots[:budget], h], v_old[expected, h])
-        keys = torch.cat([k_old[expected, h], kd[0:1, h]])
-        values = torch.cat([v_old[expected, h], vd[0:1, h]])
-        heads = slice(h * G, (h + 1) * G)
-        want = dense_attention(qd[0:1, heads], keys[:, None], values[:, None], 0.3, False)
-        assert torch.allclose(od[0, heads].double(), want[0], atol=1e-5)
-    assert torch.equal(buffers.k[slots[budget]], kd[0])
-    assert state.stats()["evictions"] == 1
-    with pytest.raises(IndexMapError, match="not in this decode batch"):
-        for n in range(26, 26 + evict_page):
-            grow(state, [1], [n])
-        state.plan_decode([2])
-
-
-def test_plan_extend_refuses_a_cached_prefix_without_a_store():
-    state = make_state()
-    grow(state, [1], [4])
-    with pytest.raises(IndexMapError, match="prefix"):
-        state.plan_extend([1], [2], [2])
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["new", "decode", "free"]), st.integers(1, 7), st.integers(1, 12)), max_size=40))
-def test_slot_conservation_under_random_lifecycles(ops):
-    state = make_state(page=2, slots=64, budget=4, window=1, evict_page=2)
-    index_map = state.maps[0]
-    for op, row, length in ops:
-        try:
-            if op == "new" and not index_map.is_active(row):
-                grow(state, [row], [length])
-            elif op == "decode" and index_map.is_active(row):
-                grow(state, [row], [state.logical[row] + 1])
-                state.plan_decode([row])  # hands over the eviction alloc may have made
-            elif op == "free":
-                state.free(row)
-        except IndexMapError:
-            pass  # exhausted pool: the state must be unchanged, checked below
-        held = sum(-(-index_map.length(r) // 2) * 2 for r in index_map.active_rows())
-        assert index_map.pool.slots_in_use() == held
-        assert all(index_map.length(r) <= index_map.max_entries for r in index_map.active_rows())
-    state.clear()
-    assert index_map.pool.available_slots() == 64
+def entries(state, row, layer):
+    """The row's heap rows in `layer`'s column."""
+    slot = state.layout.sparse_slots[layer]
+    return state.groups[slot.group].table.entries(row)[:, slot.column]
 
 
 def dense_attention(q, k, v, scale, causal):
@@ -158,94 +41,211 @@ def dense_attention(q, k, v, scale, causal):
     return torch.einsum("htl,lhd->thd", logits.softmax(-1), v)
 
 
+def test_columns_share_rows_and_layers_in_a_column_have_their_own_lanes():
+    state, _ = make_state(num_layers=6, full_layers=(0, 1))
+    assert state.layout.lanes == 2 and len(state.groups) == 1 and state.groups[0].columns == 2
+    a, slot_a = lane_of(state, 2)
+    b, slot_b = lane_of(state, 3)
+    assert slot_a.column == slot_b.column and a.k.data_ptr() != b.k.data_ptr()
+    assert a.k.shape == (257, H_KV, D) and a.scores.dtype == torch.float32
+
+
+def test_prefill_then_decode_then_free_returns_every_row():
+    state, heap = make_state(page=4)
+    grow(state, [1, 2], [5, 3])
+    assert state.groups[0].table.length(1) == 5 and heap.free_rows() == 256 - 3 * (8 + 4)
+    grow(state, [1, 2], [6, 4])
+    assert state.requests_running() == 2
+    state.free(1)
+    state.free(2)
+    state.free(3)  # never allocated: a no-op, as SGLang frees rows whose aux alloc never ran
+    assert heap.free_rows() == 256
+
+
+def test_refuses_jumps_and_exhaustion_without_partial_state():
+    state, heap = make_state(num_layers=4, context=64, budget=8, rows=48)
+    grow(state, [1, 2], [4, 30])
+    assert state.groups[0].table.length(2) == 8  # a prefill keeps min(length, budget)
+    with pytest.raises(HeapError, match="one decode token"):
+        grow(state, [1], [6])
+    with pytest.raises(HeapExhausted):
+        grow(state, [1, 2, 3], [5, 31, 8])  # (1 + 1 + 8) entries x 3 columns, 12 rows free
+    assert state.groups[0].table.length(1) == 4 and state.groups[0].table.length(2) == 8
+    assert not state.groups[0].table.is_active(3) and heap.free_rows() == 12 and not state.running[3]
+
+
+def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries():
+    torch.manual_seed(2)
+    budget, sink, window, evict_page = 8, 1, 2, 4
+    state, heap = make_state(budget=budget, window=window, evict_page=evict_page)
+    table = state.groups[0].table
+    lane, slot = lane_of(state, 1)
+    grow(state, [1, 2], [20, 3])
+    for n in range(1, evict_page + 1):  # row 1 grows to budget + evict_page entries
+        grow(state, [1, 2], [20 + n, 3 + n])
+        plan_decode(state, [1, 2])
+        state.finish_forward()
+    assert table.length(1) == budget + evict_page
+    old = entries(state, 1, 1)
+    lane.k[old] = torch.randn(old.numel(), H_KV, D)
+    lane.v[old] = torch.randn(old.numel(), H_KV, D)
+    lane.scores[old] = torch.rand(old.numel(), H_KV)
+    k_old, v_old, s_old = lane.k[old].clone(), lane.v[old].clone(), lane.scores[old].clone()
+
+    free_before = heap.free_rows()
+    grow(state, [1, 2], [25, 8])
+    assert table.length(1) == budget + 1 and table.length(2) == 8  # row 2 is below its budget
+    # The evicted pages stay out of the heap until the forward that reads them was issued.
+    assert heap.free_rows() == free_before - 2 * 3 and state.deferred_rows() == evict_page * 3
+    plan = plan_decode(state, [1, 2])
+    column = plan.column(slot)
+    assert column.evict_slots.shape == (1, budget + evict_page)
+    qd, kd, vd = torch.randn(2, H_KV * G, D), torch.randn(2, H_KV, D), torch.randn(2, H_KV, D)
+    od = sparse_decode(qd, kd, vd, 0.3, plan, column, lane)
+    state.finish_forward()
+    assert heap.free_rows() == free_before - 2 * 3 + evict_page * 3
+
+    rows = entries(state, 1, 1)
+    n_old = budget + evict_page
+    for h in range(H_KV):
+        rest = sorted(range(sink, n_old - window), key=lambda p: -float(s_old[p, h]))
+        expected = sorted([*range(sink), *range(n_old - window, n_old), *rest[: budget - sink - window]])
+        assert torch.equal(lane.k[rows[:budget], h], k_old[expected, h]), h
+        assert torch.equal(lane.v[rows[:budget], h], v_old[expected, h])
+        keys = torch.cat([k_old[expected, h], kd[0:1, h]])
+        values = torch.cat([v_old[expected, h], vd[0:1, h]])
+        heads = slice(h * G, (h + 1) * G)
+        want = dense_attention(qd[0:1, heads], keys[:, None], values[:, None], 0.3, False)
+        assert torch.allclose(od[0, heads].double(), want[0], atol=1e-5)
+    assert torch.equal(lane.k[rows[budget]], kd[0])
+    assert state.counters.evictions == 1
+    with pytest.raises(HeapError, match="not in this decode batch"):
+        for n in range(26, 26 + evict_page):
+            grow(state, [1], [n])
+        plan_decode(state, [2])
+
+
+def test_plan_extend_refuses_a_cached_prefix_without_a_store():
+    state, _ = make_state()
+    grow(state, [1], [4])
+    with pytest.raises(HeapError, match="prefix"):
+        plan_extend(state, [1], [2], [2])
+
+
 def test_sparse_forward_matches_dense_attention_and_stores_kv():
     torch.manual_seed(0)
-    state = make_state()
+    state, _ = make_state()
     lengths = [5, 3]
     grow(state, [1, 2], lengths)
-    plan = state.plan_extend([1, 2], [0, 0], lengths)
-    group = state.group_plan(plan, 2)
+    plan = plan_extend(state, [1, 2], [0, 0], lengths)
+    lane, slot = lane_of(state, 2)
     total = sum(lengths)
     q, k, v = torch.randn(total, H_KV * G, D), torch.randn(total, H_KV, D), torch.randn(total, H_KV, D)
-    o = sparse_extend(q, k, v, 0.3, plan, group, state.buffers[2], state.policy)
+    o = sparse_extend(q, k, v, 0.3, plan, plan.column(slot), lane, state.policy)
     assert torch.allclose(o[:5].double(), dense_attention(q[:5], k[:5], v[:5], 0.3, True), atol=1e-5)
     assert torch.allclose(o[5:].double(), dense_attention(q[5:], k[5:], v[5:], 0.3, True), atol=1e-5)
-    assert torch.equal(state.buffers[2].k[state.maps[0].slots(2)], k[5:])
+    assert torch.equal(lane.k[entries(state, 2, 2)], k[5:])
 
     grow(state, [1, 2], [6, 4])
-    plan = state.plan_decode([1, 2])
-    group = state.group_plan(plan, 2)
+    plan = plan_decode(state, [1, 2])
     qd, kd, vd = torch.randn(2, H_KV * G, D), torch.randn(2, H_KV, D), torch.randn(2, H_KV, D)
-    od = sparse_decode(qd, kd, vd, 0.3, plan, group, state.buffers[2])
+    od = sparse_decode(qd, kd, vd, 0.3, plan, plan.column(slot), lane)
     keys = torch.cat([k[5:], kd[1:]])
     values = torch.cat([v[5:], vd[1:]])
     assert torch.allclose(od[1:].double(), dense_attention(qd[1:], keys, values, 0.3, False), atol=1e-5)
-    scores = state.buffers[2].scores[state.maps[0].slots(2)]
+    scores = lane.scores[entries(state, 2, 2)]
     assert torch.allclose(scores.sum(), torch.tensor(float(H_KV * G)), atol=1e-4)  # each head's mass is 1
 
 
 def test_prefill_compression_keeps_protected_and_best_scored_keys_per_head():
     torch.manual_seed(1)
     budget, sink, window = 8, 1, 2
-    state = make_state(budget=budget, window=window)
+    state, _ = make_state(budget=budget, window=window)
     lengths = [5, 20]  # the first fits its budget, the second is compressed to 8
     grow(state, [1, 2], lengths)
-    plan = state.plan_extend([1, 2], [0, 0], lengths)
-    group = state.group_plan(plan, 1)
-    assert group.compress and group.budget == budget
+    plan = plan_extend(state, [1, 2], [0, 0], lengths)
+    lane, slot = lane_of(state, 1)
+    column = plan.column(slot)
+    assert column.compress and column.budget == budget
     total = sum(lengths)
     q, k, v = torch.randn(total, H_KV * G, D), torch.randn(total, H_KV, D), torch.randn(total, H_KV, D)
-    o = sparse_extend(q, k, v, 0.3, plan, group, state.buffers[1], state.policy)
+    o = sparse_extend(q, k, v, 0.3, plan, column, lane, state.policy)
     # Compression never changes the prefill's own output.
     assert torch.allclose(o[5:].double(), dense_attention(q[5:], k[5:], v[5:], 0.3, True), atol=1e-5)
 
-    from sglang_kvsparse.policies import PrefillScoringInputs
-
-    _, lse = __import__("sglang_kvsparse.kernels", fromlist=["x"]).extend_attention_with_stats(
-        q, k, v, plan.qo_indptr, plan.qo_indptr, torch.arange(total), 0.3
-    )
+    _, lse = kernels.extend_attention_with_stats(q, k, v, plan.qo_indptr, plan.qo_indptr, torch.arange(total), 0.3)
     scores = state.policy.score(
         PrefillScoringInputs(q, k, lse, plan.qo_indptr, plan.qo_indptr, torch.arange(total), 0.3, window)
     )
-    buffers = state.buffers[1]
-    assert torch.equal(buffers.k[state.maps[0].slots(1)], k[:5])  # short row: everything, in order
-    slots = state.maps[0].slots(2)
+    assert torch.equal(lane.k[entries(state, 1, 1)], k[:5])  # short row: everything, in order
+    rows = entries(state, 2, 1)
     for h in range(H_KV):
         rest = sorted(range(sink, 20 - window), key=lambda p: -float(scores[5 + p, h]))
         expected = sorted([*range(sink), *range(20 - window, 20), *rest[: budget - sink - window]])
-        assert torch.equal(buffers.k[slots, h], k[[5 + p for p in expected], h]), h
-        assert torch.equal(buffers.v[slots, h], v[[5 + p for p in expected], h])
-        assert torch.equal(buffers.scores[slots, h], scores[[5 + p for p in expected], h])
+        assert torch.equal(lane.k[rows, h], k[[5 + p for p in expected], h]), h
+        assert torch.equal(lane.v[rows, h], v[[5 + p for p in expected], h])
+        assert torch.equal(lane.scores[rows, h], scores[[5 + p for p in expected], h])
 
 
-def test_stats_report_bytes_held_beside_dense_and_every_layer():
-    state = make_state(num_layers=4, context=64, budget=8)
+def test_stats_report_rows_by_owner_and_bytes_beside_dense():
+    state, heap = make_state(num_layers=4, context=64, budget=8)
+    ids = heap.sglang_alloc(35)  # SGLang's ids of the two requests' tokens
     grow(state, [1, 2], [30, 5])
-    stats = state.stats()
-    bpt = 2 * H_KV * D * 4
-    slot_bytes = bpt + 4 * H_KV
-    assert stats["requests_running"] == 2
-    assert stats["kv_bytes_if_dense"] == (30 + 5) * 4 * bpt
-    assert stats["kv_bytes_in_use"] == (30 + 5) * 1 * bpt + (8 + 5) * 3 * slot_bytes
-    full, sparse = stats["layers"][0], stats["layers"][1]
-    assert (full["kind"], full["slots_in_use"], full["slots_total"]) == ("full", 35, 256)
-    assert (sparse["kind"], sparse["budget"], sparse["slots_in_use"], sparse["slots_total"]) == ("sparse", 8, 13, 256)
+    stats = collect(state, heap.free_rows())
+    bpt, score = 2 * H_KV * D * 4, 4 * H_KV
+    assert stats.requests_running == 2
+    assert stats.kv_bytes_if_dense == (30 + 5) * 4 * bpt
+    assert stats.kv_bytes_in_use == (35 + (8 + 5) * 3) * (bpt + score)  # one lane per row
+    heap_stats = stats.heap
+    assert (heap_stats.full_running, heap_stats.full_cached, heap_stats.sparse) == (35, 0, 39)
+    assert heap_stats.free + 35 + 39 == heap_stats.rows_total == 256
+    full, sparse = stats.layers[0], stats.layers[1]
+    assert (full.kind, full.slots_in_use, full.slots_total) == ("full", 35, 256)
+    assert (sparse.kind, sparse.budget, sparse.slots_in_use, sparse.slots_total) == ("sparse", 8, 13, 256)
+    assert stats.to_dict()["heap"]["groups"][0]["columns"] == 3
+    heap.sglang_free(ids)
 
 
-# -- prefix reuse through the prefix store -------------------------------------------------------
+# -- memory pressure: free rows, then the prefix store, then SGLang's radix tree ----------------
 
 
 def prefill(state, rows, prefix_lens, extend_lens, prefix_ids, new_ids, q, k, v, layer=1):
     """Allocate and run one sparse layer's prefill (the backend's order: alloc, plan, forward)."""
     grow(state, rows, [p + e for p, e in zip(prefix_lens, extend_lens)])
-    plan = state.plan_extend(rows, prefix_lens, extend_lens, prefix_ids, new_ids)
-    return sparse_extend(q, k, v, 0.3, plan, state.group_plan(plan, layer), state.buffers[layer], state.policy)
+    plan = plan_extend(state, rows, prefix_lens, extend_lens, prefix_ids, new_ids)
+    lane, slot = lane_of(state, layer)
+    out = sparse_extend(q, k, v, 0.3, plan, plan.column(slot), lane, state.policy)
+    return out
 
 
-def row_entries(state, row, layer=1):
-    slots = state.maps[0].slots(row)
-    buffers = state.buffers[layer]
-    return buffers.k[slots], buffers.v[slots], buffers.scores[slots]
+def test_rows_come_from_free_rows_then_the_store_then_the_tree_never_from_pinned_blocks():
+    state, heap = make_state(rows=96, budget=8, prefix_cache=True)  # 3 columns: 3 rows per token
+    ids = heap.sglang_alloc(12)
+    q, k, v = torch.randn(12, H_KV * G, D), torch.randn(12, H_KV, D), torch.randn(12, H_KV, D)
+    prefill(state, [1], [0], [12], [torch.empty(0)], ids, q, k, v)
+    state.finish_forward()
+    state.free(1)
+    heap.cached.append(ids[6:])  # the tree caches the prompt; its first 6 tokens are locked by a match
+    assert state.store.rows() == 36 and heap.free_rows() == 96 - 12 - 36
+    assert state.reclaimable_rows() == 36  # admission counts the store's rows as free
+
+    state.pin_prefix(ids[:6])  # the request that matched them is admitted: its prefill reads them
+    assert state.reclaimable_rows() == 18
+    grow(state, [2, 3], [8, 8])  # 48 rows: the 48 free ones
+    assert state.store.rows() == 36 and heap.cached
+    grow(state, [4], [6])  # 18 more: the store's unpinned tail goes first
+    assert state.store.valid_prefix_len(ids) == 6 and heap.cached
+    grow(state, [5], [2])  # 6 more: the tree gives its unlocked ids back
+    assert not heap.cached and state.store.valid_prefix_len(ids) == 6
+    with pytest.raises(HeapExhausted):
+        grow(state, [6], [1])  # nothing left but the pinned blocks
+    assert state.store.valid_prefix_len(ids) == 6 and not state.groups[0].table.is_active(6)
+    state.finish_forward()
+    for row in (2, 3, 4, 5):
+        state.free(row)
+    state.clear()  # SGLang's flush
+    heap.sglang_free(ids[:6])
+    assert state.store.rows() == 0 and heap.free_rows() == 96
 
 
 @pytest.mark.parametrize(("budget", "page"), [(8, 1), (64, 1), (8, 2)])
@@ -255,93 +255,103 @@ def test_a_prefix_hit_attends_scores_and_keeps_exactly_as_the_fresh_prefill(budg
     torch.manual_seed(3)
     lengths, prefixes = [30, 19], [16, 8]
     seqs = [(torch.randn(n, H_KV * G, D), torch.randn(n, H_KV, D), torch.randn(n, H_KV, D)) for n in lengths]
-    ids = [torch.arange(1, 31), torch.arange(31, 50)]  # SGLang's full-pool ids of the cached tokens
     # pool_kernel 3: pooling reads neighbours across the prefix boundary too.
-    state = make_state(budget=budget, window=2, page=page, prefix_cache=True, pool_kernel=3)
+    state, heap = make_state(budget=budget, window=2, page=page, prefix_cache=True, pool_kernel=3, rows=512)
+    ids = [heap.sglang_alloc(-(-n // page) * page)[:n] for n in lengths]  # SGLang's ids of the tokens
     q, k, v = (torch.cat(parts) for parts in zip(*seqs))
     fresh = prefill(state, [1, 2], [0, 0], lengths, [torch.empty(0), torch.empty(0)], torch.cat(ids), q, k, v)
-    kept = [row_entries(state, row) for row in (1, 2)]
-    assert state.stats()["pools"][0]["prefix_cache_slots"] == sum(-(-n // page) * page for n in lengths)
+    state.finish_forward()
+    kept = [
+        (lambda rows: (lane_of(state, 1)[0].k[rows], lane_of(state, 1)[0].v[rows], lane_of(state, 1)[0].scores[rows]))(
+            entries(state, row, 1)
+        )
+        for row in (1, 2)
+    ]
+    assert state.store.rows() == sum(-(-n // page) * page for n in lengths) * 3
     state.free(1)
     state.free(2)
 
-    new_ids = torch.cat([torch.arange(100, 114), torch.arange(200, 211)])
+    new_ids = torch.cat([heap.sglang_alloc(16)[:14], heap.sglang_alloc(12)[:11]])
     part = [slice(p, n) for p, n in zip(prefixes, lengths)]
     q2, k2, v2 = (torch.cat([t[sl] for t, sl in zip(ts, part)]) for ts in zip(*seqs))
-    state.begin_round()
     state.pin_prefix(torch.cat([ids[0][:16], ids[1][:8]]))
     hit = prefill(state, [3, 4], prefixes, [14, 11], [ids[0][:16], ids[1][:8]], new_ids, q2, k2, v2)
     assert torch.allclose(hit[:14], fresh[16:30], atol=1e-5) and torch.allclose(hit[14:], fresh[30 + 8 :], atol=1e-5)
+    lane = lane_of(state, 1)[0]
     for row, (k_kept, v_kept, s_kept) in zip((3, 4), kept):
-        k_hit, v_hit, s_hit = row_entries(state, row)
-        assert torch.equal(k_hit, k_kept) and torch.equal(v_hit, v_kept)
-        assert torch.allclose(s_hit, s_kept, atol=1e-6)
-    stats = state.stats()
-    assert (stats["prefix_hits"], stats["prefix_tokens_reused"]) == (2, 24)
+        rows = entries(state, row, 1)
+        assert torch.equal(lane.k[rows], k_kept) and torch.equal(lane.v[rows], v_kept)
+        assert torch.allclose(lane.scores[rows], s_kept, atol=1e-6)
+    assert (state.counters.prefix_hits, state.counters.prefix_tokens_reused) == (2, 24)
     # The new tokens are stored too, so a third request could reuse all of sequence 2.
-    assert state.stores[0].valid_prefix_len(torch.cat([ids[1][:8], torch.arange(200, 211)])) == 19
+    assert state.store.valid_prefix_len(torch.cat([ids[1][:8], new_ids[14:]])) == 19
 
 
-def test_rows_reclaim_the_stores_pages_but_never_pinned_ones():
-    state = make_state(slots=24, budget=8, prefix_cache=True)
-    store, pool = state.stores[0], state.maps[0].pool
-    q, k, v = torch.randn(12, H_KV * G, D), torch.randn(12, H_KV, D), torch.randn(12, H_KV, D)
-    prefill(state, [1], [0], [12], [torch.empty(0)], torch.arange(1, 13), q, k, v)
-    state.free(1)
-    assert store.slots() == 12 and pool.available_slots() == 12
-    assert state.available_pages(0) == 24  # admission counts the store's pages as free
-
-    state.begin_round()
-    state.pin_prefix(torch.arange(1, 7))  # a request reusing 6 tokens is admitted
-    assert state.available_pages(0) == 18
-    with pytest.raises(SlotPoolExhausted):
-        grow(state, [2, 3, 4], [8, 8, 8])  # 24 slots needed, 18 free or evictable
-    grow(state, [2, 3], [8, 8])  # the 12 free slots, and 4 evicted entries: the tail's
-    assert store.slots() == 8 and pool.available_slots() == 0
-    assert store.valid_prefix_len(torch.arange(1, 13)) == 8
-    state.free(2)
-    state.free(3)
-    state.clear()  # SGLang's flush
-    assert store.slots() == 0 and pool.available_slots() == 24
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["new", "decode", "free"]), st.integers(1, 7), st.integers(1, 12),
-                          st.integers(0, 5)), max_size=40))
-def test_slot_conservation_with_the_prefix_store(ops):
-    """Random prefills (some reusing an earlier sequence's cached prefix), decodes and frees: the
-    pool's used slots are always the rows' pages plus the store's, and every reused prefix is
-    found in the store."""
-    state = make_state(page=2, slots=48, budget=4, window=1, evict_page=2, prefix_cache=True)
-    index_map, store = state.maps[0], state.stores[0]
-    sequences: list[torch.Tensor] = []  # full-pool ids of earlier prompts
-    next_id = 1
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["new", "decode", "free", "flush_tree"]), st.integers(1, 7),
+                          st.integers(1, 12), st.integers(0, 5)), max_size=40))
+def test_rows_are_conserved_across_every_owner_under_random_lifecycles(ops):
+    """Random prefills (some reusing an earlier prompt's cached prefix), decodes with evictions,
+    finishes (the tree keeps the ids) and tree evictions: every heap row is always free or held by
+    exactly one owner (SGLang's ids, a group's entries, the store, an eviction in flight), and
+    every reused prefix is found in the store."""
+    page = 2
+    state, heap = make_state(page=page, rows=240, budget=4, window=1, evict_page=2, prefix_cache=True)
+    table = state.groups[0].table
+    held: dict[int, list[torch.Tensor]] = {}  # request row -> SGLang ids it holds
+    prompts: list[torch.Tensor] = []
     for op, row, length, pick in ops:
-        if op == "new" and not index_map.is_active(row):
-            prefix = sequences[pick % len(sequences)] if sequences else torch.empty(0, dtype=torch.int64)
+        if op == "new" and not table.is_active(row):
+            prefix = prompts[pick % len(prompts)] if prompts else torch.empty(0, dtype=torch.int64)
             reuse = state.reusable_prefix_len(prefix[: length - 1], length)
             prefix = prefix[:reuse]
-            state.begin_round()
             state.pin_prefix(prefix)
+            need = -(-(length - reuse) // page) * page
+            state.reclaim(need)
+            if heap.free_rows() < need:
+                heap.evict_cache(need)
+                state.reclaim(need)
+            if heap.free_rows() < need or state.store.valid_prefix_len(prefix) < reuse:
+                state.unpin_prefix(prefix)
+                continue  # admission would have refused it
+            pages = heap.sglang_alloc(need)  # SGLang's ids for the new tokens, whole pages
+            new = pages[: length - reuse]
             try:
                 grow(state, [row], [length])
-            except SlotPoolExhausted:
-                continue  # admission would have refused it; nothing changed (checked below)
-            new = torch.arange(next_id, next_id + length - reuse)
-            next_id += length - reuse
-            plan = state.plan_extend([row], [reuse], [length - reuse], [prefix], new)
-            assert state.group_plan(plan, 1).prefix_slots.numel() == reuse
-            sequences.append(torch.cat([prefix, new]))
-        elif op == "decode" and index_map.is_active(row):
-            try:
-                grow(state, [row], [state.logical[row] + 1])
-            except SlotPoolExhausted:
+            except HeapExhausted:
+                heap.sglang_free(pages)
+                state.unpin_prefix(prefix)
                 continue
-            state.plan_decode([row], torch.tensor([next_id]))
-            next_id += 1
-        elif op == "free":
+            plan = plan_extend(state, [row], [reuse], [length - reuse], [prefix], new)
+            assert plan.columns[0][0].prefix_slots.numel() == reuse
+            state.finish_forward()
+            held[row] = [pages]
+            prompts.append(torch.cat([prefix, new]))
+        elif op == "decode" and table.is_active(row):
+            state.reclaim(page * 4)
+            if heap.free_rows() < page * 4:
+                continue  # SGLang would retract instead
+            ids = heap.sglang_alloc(page)
+            try:
+                grow(state, [row], [int(state.logical[row]) + 1])
+            except HeapExhausted:
+                heap.sglang_free(ids)
+                continue
+            plan_decode(state, [row])
+            state.finish_forward()
+            held[row].append(ids)
+        elif op == "free" and row in held:
             state.free(row)
-        held = sum(-(-index_map.length(r) // 2) * 2 for r in index_map.active_rows())
-        assert index_map.pool.slots_in_use() == held + store.slots()
+            heap.cached.extend(held.pop(row))  # the tree caches the finished request's ids
+        elif op == "flush_tree":
+            heap.evict_cache(heap.rows)
+            prompts = [p for p in prompts if state.store.valid_prefix_len(p) == p.numel()]
+        sglang_rows = sum(t.numel() for ts in held.values() for t in ts) + sum(t.numel() for t in heap.cached)
+        owners = sglang_rows + table.rows_held() + state.store.rows() + state.deferred_rows()
+        assert owners + heap.free_rows() == heap.rows
     state.clear()
-    assert index_map.pool.available_slots() == 48
+    for ts in held.values():
+        heap.cached.extend(ts)
+    heap.evict_cache(heap.rows)
+    assert heap.free_rows() == heap.rows
+

@@ -1,0 +1,125 @@
+"""SGLang's token allocator as the one KV heap (SGLang 0.5.23 allocator capacity hooks).
+
+With sparse layers, SGLang's token pool is sized for the heap (`patches/memory.py`) and its
+allocator hands out every heap row: SGLang's own ids (the full layers) and, through `RawHeapRows`,
+the sparse layers' entries and the prefix store's blocks. `heap_allocator_class` subclasses the
+allocator SGLang built (token or paged) so that SGLang's scheduler sees the whole heap through the
+hooks it already calls on every allocator:
+
+* `available_size` counts the prefix store's reclaimable rows as free, and every `alloc*` reclaims
+  them before it hands out rows, so the store borrows memory without SGLang knowing;
+* `free` of SGLang's ids drops their prefix-store entries (the tree no longer holds the token);
+* `request_slot_reserve` (admission, every path) adds the sparse entries of the request being
+  admitted (set by `patches/admission.py`), `check_decode_capacity` (the decode check the retract
+  loop converges on) adds the next step's sparse entries, and `max_new_tokens_for_memory` (queue
+  admission) knows what a request of a given length holds in the heap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sglang_kvsparse.layout import HeapLayout, round_up
+from sglang_kvsparse.sparse_state import SparseState
+
+
+class RawHeapRows:
+    """`HeapRows` over the allocator SGLang built: its stock methods, bypassing the heap hooks."""
+
+    def __init__(self, allocator: Any, base: type) -> None:
+        self.allocator = allocator
+        self.base = base
+        self.page_size = allocator.page_size
+        self.tree_cache: Any = None  # SGLang's radix tree, learned from the first admission
+
+    def take(self, rows: int) -> torch.Tensor | None:
+        return self.base.alloc(self.allocator, rows)
+
+    def give(self, rows: torch.Tensor) -> None:
+        if rows.numel():
+            self.base.free(self.allocator, rows.to(self.allocator.device))
+
+    def free_rows(self) -> int:
+        return self.base.available_size(self.allocator)
+
+    def evict_cache(self, rows: int) -> None:
+        if self.tree_cache is not None:
+            self.allocator.evict_to_free_tokens(self.tree_cache, rows)
+
+
+def heap_allocator_class(base: type) -> type:
+    """`base` (SGLang's token or paged allocator) with the heap hooks of the module doc."""
+
+    class KVSparseHeapAllocator(base):
+        kvsparse_state: SparseState
+        kvsparse_rows: RawHeapRows
+        kvsparse_layout: HeapLayout
+        #: Sparse rows of the request `patches/admission.py` is admitting now (0 otherwise).
+        kvsparse_charge: int = 0
+
+        def available_size(self) -> int:
+            return super().available_size() + self.kvsparse_state.reclaimable_rows()
+
+        def alloc(self, need_size: int):
+            self.kvsparse_state.reclaim(need_size)
+            return super().alloc(need_size)
+
+        def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, **kw):
+            self.kvsparse_state.reclaim(extend_num_tokens + len(seq_lens_cpu) * self.page_size)
+            return super().alloc_extend(
+                prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, **kw
+            )
+
+        def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc, **kw):
+            self.kvsparse_state.reclaim(len(seq_lens_cpu) * self.page_size)
+            return super().alloc_decode(seq_lens, seq_lens_cpu, last_loc, **kw)
+
+        def free(self, free_index: torch.Tensor) -> None:
+            super().free(free_index)
+            self.kvsparse_state.forget_full_ids(free_index)
+
+        def clear(self) -> None:
+            super().clear()
+            if "kvsparse_state" in self.__dict__:
+                self.kvsparse_state.reset_allocator()
+
+        def create_prefill_budget(self, tree_cache, **kwargs):
+            self.kvsparse_rows.tree_cache = tree_cache
+            return super().create_prefill_budget(tree_cache, **kwargs)
+
+        def request_slot_reserve(self, *, has_req_pool_slot: bool, prefill_tokens: int = 0) -> int:
+            stock = super().request_slot_reserve(has_req_pool_slot=has_req_pool_slot, prefill_tokens=prefill_tokens)
+            return stock + self.kvsparse_charge
+
+        def check_decode_capacity(self, *, num_tokens: int, tree_cache, requests=None, spec_algorithm=None) -> bool:
+            rows = [r.kv.req_pool_idx for r in requests or () if r.kv.req_pool_idx is not None]
+            need = num_tokens + self.kvsparse_state.rows_for_next_decode(rows)
+            self.evict_to_free_tokens(tree_cache, need)
+            return self.available_size() >= need
+
+        def max_new_tokens_for_memory(self, input_tokens: int, max_new_tokens: int, *, token_capacity: int, **kwargs):
+            rows = token_capacity - self.page_size - 1
+            if self.kvsparse_layout.rows_held(input_tokens, self.page_size) > rows:
+                return None
+            longest = self.kvsparse_layout.longest_fitting(rows, self.page_size)
+            return max(0, min(max_new_tokens, longest - round_up(input_tokens, self.page_size)))
+
+    KVSparseHeapAllocator.__qualname__ = KVSparseHeapAllocator.__name__ = f"KVSparseHeap{base.__name__}"
+    return KVSparseHeapAllocator
+
+
+def make_heap(allocator: Any, layout: HeapLayout) -> RawHeapRows:
+    """Turn SGLang's allocator into the heap's (in place: the scheduler already holds it) and
+    return raw access to its rows; `attach` completes it once the state exists."""
+    base = type(allocator)
+    allocator.__class__ = heap_allocator_class(base)
+    rows = RawHeapRows(allocator, base)
+    allocator.kvsparse_rows = rows
+    allocator.kvsparse_layout = layout
+    return rows
+
+
+def attach(allocator: Any, state: SparseState) -> None:
+    allocator.kvsparse_state = state

@@ -1,0 +1,51 @@
+"""Hook targets: the SGLang functions the plugin wraps, and a check that the wrapping took.
+
+A leaf module (it imports no other patch), so `plugin.py`, which registers the hooks, and
+`memory.py`, which refuses to start when one did not apply, both read the targets from here.
+SGLang's hook registry marks a wrapped function with `__wrapped__`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+
+#: AROUND: the KV bytes stock SGLang would use become the heap's rows (`memory.size_heap`).
+SIZE_POOLS = f"{_CONFIGURATOR}._resolve_memory_pool_config"
+#: AROUND: SGLang's MHA pool class gets stubs for the sparse layers (`memory.pool_class`).
+POOL_CLASS = f"{_CONFIGURATOR}._resolve_kv_pool_class"
+#: AFTER: the sparse state is built on SGLang's pools and allocator (`memory.attach_state`).
+ALLOC_MEMORY_POOL = "sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool"
+#: AROUND: admission charges the sparse entries and pins a hit's prefix (`admission.admit`).
+ADD_ONE_REQ = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
+#: AROUND: a radix match is cut to what the prefix store can serve (`prefix.cap_match`).
+MATCH_KV_CACHE = "sglang.srt.mem_cache.common.match_kv_cache"
+#: AFTER: the scheduler's internal state carries the sparse stats (`observability.add_stats`).
+INTERNAL_STATE = (
+    "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
+)
+#: AFTER: SGLang's metrics logging sets the sparse gauges too (`observability.set_gauges`).
+LOG_STATS = "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector.log_stats"
+
+#: Every target, in the order `plugin.load` registers them.
+ALL: tuple[str, ...] = (SIZE_POOLS, POOL_CLASS, ALLOC_MEMORY_POOL, ADD_ONE_REQ, MATCH_KV_CACHE, INTERNAL_STATE, LOG_STATS)
+
+
+def unpatched(targets: tuple[str, ...] = ALL) -> list[str]:
+    """The targets that SGLang's hook registry has not wrapped in this process."""
+    return [target for target in targets if not hasattr(resolve(target), "__wrapped__")]
+
+
+def resolve(dotted: str) -> object:
+    """The object a dotted path names (modules imported as needed)."""
+    module_name, _, rest = dotted.partition(".")
+    obj: object = importlib.import_module(module_name)
+    path = module_name
+    for part in rest.split("."):
+        path = f"{path}.{part}"
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            obj = importlib.import_module(path)
+    return obj

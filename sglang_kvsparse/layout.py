@@ -1,0 +1,168 @@
+"""Where each layer's K/V lives in the one KV heap, and what a request costs there (no SGLang).
+
+The heap is SGLang's own token pool, made wide enough for everyone (docs/architecture.md, "One
+KV heap"). A heap *row* holds one K/V entry in each of `lanes` layer buffers (one float32 score
+per KV head beside each); SGLang's token allocator hands out rows, and every owner draws from it:
+
+* **full layers** (SGLang's ids): full layer `full_layers[i]` keeps its token at row `id` of lane
+  `i`, so SGLang's pool is untouched but for its size;
+* **sparse layers**, in *columns* of up to `lanes` layers: entry j of a request in a column is one
+  row, and the column's layer on lane m keeps its j-th kept key there. Columns with the same
+  budget form a `GroupSpec`; its requests advance in lockstep, so one table serves all its columns;
+* **the prefix store**: one row per column for each cached prompt token (uncompressed K/V).
+
+Why lanes = number of full layers: a row then costs the same bytes whoever owns it, so one free
+list serves all owners with no fragmentation and no split to guess. With no full layer there is
+one lane, and SGLang's ids still take a row each (they store nothing): the price of one free list.
+
+Columns pair sparse layers of neighbouring budgets (sorted by budget, largest first); a column's
+budget is its largest member's, so a pyramid over two lanes keeps its pairs' larger budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sglang_kvsparse.config import ResolvedSparsity
+
+
+def round_up(value: int, multiple: int) -> int:
+    """Smallest multiple of `multiple` that is >= value."""
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class Column:
+    """Sparse layers sharing heap rows: `layers[m]` is on lane m."""
+
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Columns with one budget: each request holds the same number of entries in all of them.
+
+    `max_entries` (budget + evict_page, capped at the context length) bounds every request.
+    """
+
+    index: int
+    budget: int
+    max_entries: int
+    columns: tuple[Column, ...]
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(layer for column in self.columns for layer in column.layers)
+
+
+@dataclass(frozen=True)
+class SparseSlot:
+    """Where one sparse layer lives: its group, its column in the group and its lane."""
+
+    group: int
+    column: int
+    lane: int
+
+
+@dataclass(frozen=True)
+class HeapLayout:
+    """Lanes, the full layers' lanes and the sparse layers' groups of one model and config."""
+
+    num_layers: int
+    lanes: int
+    full_layers: tuple[int, ...]
+    groups: tuple[GroupSpec, ...]
+    sparse_slots: dict[int, SparseSlot]
+
+    @classmethod
+    def from_resolved(cls, resolved: ResolvedSparsity) -> HeapLayout:
+        full = resolved.full_layers
+        lanes = max(len(full), 1)
+        ordered = sorted(resolved.sparse_layers, key=lambda layer: (-resolved.budget(layer), layer))
+        chunks = [tuple(ordered[i : i + lanes]) for i in range(0, len(ordered), lanes)]
+        by_budget: dict[int, list[Column]] = {}
+        for chunk in chunks:
+            budget = max(resolved.budget(layer) for layer in chunk)
+            by_budget.setdefault(budget, []).append(Column(tuple(sorted(chunk))))
+        groups = []
+        for index, (budget, columns) in enumerate(sorted(by_budget.items())):
+            max_entries = min(budget + resolved.config.evict_page, resolved.context_len)
+            groups.append(GroupSpec(index, budget, max_entries, tuple(columns)))
+        slots = {
+            layer: SparseSlot(group.index, c, lane)
+            for group in groups
+            for c, column in enumerate(group.columns)
+            for lane, layer in enumerate(column.layers)
+        }
+        return cls(resolved.num_layers, lanes, full, tuple(groups), slots)
+
+    # -- queries ---------------------------------------------------------------------------
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse_slots
+
+    def budget(self, layer: int) -> int | None:
+        """The budget a layer keeps (its group's), None for a full layer."""
+        slot = self.sparse_slots.get(layer)
+        return None if slot is None else self.groups[slot.group].budget
+
+    @property
+    def num_columns(self) -> int:
+        return sum(len(group.columns) for group in self.groups)
+
+    @property
+    def idle_lanes(self) -> int:
+        """Lanes the sparse columns leave unused (a last column with fewer layers than lanes)."""
+        return sum(self.lanes - len(column.layers) for group in self.groups for column in group.columns)
+
+    def rows_held(self, seq_len: int, page_size: int = 1) -> int:
+        """Most heap rows a request of `seq_len` tokens holds: its SGLang ids (one row per
+        token) and, per column, min(seq_len, max_entries) entries, each rounded up to pages."""
+        rows = round_up(seq_len, page_size)
+        for group in self.groups:
+            rows += len(group.columns) * round_up(min(seq_len, group.max_entries), page_size)
+        return rows
+
+    def dense_rows(self, seq_len: int, page_size: int = 1) -> float:
+        """Stock SGLang's bytes for the same request, in rows: every layer keeps every token."""
+        return round_up(seq_len, page_size) * self.num_layers / self.lanes
+
+    def longest_fitting(self, rows: int, page_size: int = 1) -> int:
+        """The longest request whose `rows_held` is at most `rows` (0 when none fits)."""
+        low, high = 0, max(rows, 0)
+        while low < high:  # rows_held grows with the length
+            mid = (low + high + 1) // 2
+            if self.rows_held(mid, page_size) <= rows:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        groups = ", ".join(f"{len(g.columns)} x budget {g.budget}" for g in self.groups) or "none"
+        idle = f"; {self.idle_lanes} lane(s) idle in the last column" if self.idle_lanes else ""
+        return f"{self.lanes} lane(s) per heap row; full layers {list(self.full_layers)}; sparse columns: {groups}{idle}"
+
+
+def heap_rows(total_kv_bytes: int, lanes: int, bytes_per_token: int, score_bytes: int, page_size: int = 1) -> int:
+    """Rows of a heap with `total_kv_bytes`: each row is `lanes` K/V entries of `bytes_per_token`
+    plus their scores (`score_bytes` each), rounded down to whole pages."""
+    row_bytes = lanes * (bytes_per_token + score_bytes)
+    return total_kv_bytes // row_bytes // page_size * page_size
+
+
+def capacity_ratio(layout: HeapLayout, seq_len: int, page_size: int = 1, score_overhead: float = 0.0) -> float:
+    """Requests of `seq_len` tokens the heap admits per request stock SGLang admits, at equal bytes
+    (`score_overhead`: the scores' bytes per K/V byte), before rounding to whole requests."""
+    return layout.dense_rows(seq_len, page_size) / layout.rows_held(seq_len, page_size) / (1 + score_overhead)
+
+
+__all__ = [
+    "Column",
+    "GroupSpec",
+    "HeapLayout",
+    "SparseSlot",
+    "capacity_ratio",
+    "heap_rows",
+    "round_up",
+]

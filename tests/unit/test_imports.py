@@ -1,0 +1,83 @@
+"""The project's modules import each other without a cycle, function-level imports included.
+
+A cycle is how the patches used to find their shared state; `patches/context.py` and
+`patches/hooks.py` are leaves so that it cannot come back unnoticed.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Source folder -> the package name it is installed as.
+PACKAGES = {"sglang_kvsparse": "sglang_kvsparse", "kernels": "sglang_kvsparse.kernels", "patches": "sglang_kvsparse.patches"}
+
+
+def module_name(path: Path) -> str:
+    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
+    parts = [PACKAGES[folder], *rest]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    return {module_name(path): path for folder in PACKAGES for path in (ROOT / folder).rglob("*.py")}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules `name` imports anywhere in its file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found.update(target for target in targets if target in known and target != name)
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle_among_the_projects_modules():
+    modules = project_modules()
+    assert "sglang_kvsparse.patches.plugin" in modules and "sglang_kvsparse.kernels.compact" in modules
+    graph = {name: imports_of(name, path, set(modules)) for name, path in modules.items()}
+    assert "sglang_kvsparse.patches.context" in graph["sglang_kvsparse.patches.admission"]
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_finder_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_context_and_hooks_are_leaves():
+    modules = project_modules()
+    for leaf in ("sglang_kvsparse.patches.context", "sglang_kvsparse.patches.hooks"):
+        patches = {m for m in imports_of(leaf, modules[leaf], set(modules)) if ".patches." in m}
+        assert not patches, (leaf, patches)
