@@ -1,7 +1,7 @@
 # sglang-kvsparse: the two commands of the README are `make demo` and `make test`.
 PYTEST = .venv/bin/pytest
 
-.PHONY: setup demo test test-unit test-kernels test-integration test-e2e
+.PHONY: setup demo test test-lint test-unit test-kernels test-integration test-e2e
 
 setup:
 	bash scripts/setup.sh
@@ -10,7 +10,12 @@ demo: setup
 	bash scripts/demo.sh
 
 # Tiers, fastest first, so a broken basic stops the run before the slow end-to-end tier.
-test: setup test-unit test-kernels test-integration test-e2e
+test: setup test-lint test-unit test-kernels test-integration test-e2e
+
+# ruff: lint (pyproject.toml [tool.ruff]) and formatting, in seconds.
+test-lint:
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 
 test-unit:
 	$(PYTEST) tests/unit -q

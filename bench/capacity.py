@@ -4,11 +4,11 @@ Why: sparsity keeps fewer KV entries per request, so the same memory should admi
 and with one KV heap it should never admit fewer than stock SGLang at any length. For each
 system (stock SGLang, then each project variant) this starts the server once with the same
 ``--max-total-tokens``, and for each workload sends more requests at once than stock can hold
-(SGLang's own client; a mixed workload runs one client per kind of request at the same time),
+(SGLang's own client; a workload of several parts runs one client per part at the same time),
 then reads the most requests that ran at once from the server's ``#running-req`` log lines, and
 the KV bytes per request from ``GET /kvsparse/stats`` where the server answers it. Beside each
 measured ratio it shows the equal-bytes bound: what the project's heap layout admits per stock
-request at that length (`sglang_kvsparse.layout.capacity_ratio`, with the scores' bytes).
+request at that length (`sglang_kvsparse.layout.capacity_ratio`, scores included).
 Writes ``<out-dir>/capacity-<profile>-<date>.json``, ``.md`` and ``.png``; logs in ``...-logs/``.
 
 Usage: .venv/bin/python bench/capacity.py --profile NAME [--out-dir DIR]   (names: PROFILES)
@@ -28,9 +28,8 @@ from typing import Any
 
 import requests
 from common.client import ClientError, KvStatsPoller, Workload, run_client
-from common.models import kv_bytes_per_token
+from common.models import DTYPE_BYTES, kv_bytes_per_token
 from common.report import ReportPaths, write_json
-from common.server import ServerProcess, ServerStartError, peak_running_requests
 from common.systems import (
     STOCK,
     ServerSettings,
@@ -43,8 +42,8 @@ from common.systems import (
 )
 from serving_profiles import PROJECT_BUDGET_256, PROJECT_DEFAULT, PROJECT_OFF, Variant
 
-from sglang_kvsparse.accounting import score_bytes
-from sglang_kvsparse.layout import HeapLayout, capacity_ratio
+from kvsparse_testbed.server import ServerProcess, ServerStartError, peak_running_requests
+from sglang_kvsparse.layout import HeapLayout, capacity_ratio, scores_per_row
 from sglang_kvsparse.options import add_sparsity_arguments, sparsity_from_args
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -52,16 +51,19 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 @dataclass(frozen=True)
 class Part:
-    """`count` requests of `input_len` + `output_len` tokens, sent at once."""
+    """`count` requests of `input_len` + `output_len` tokens, sent at once; with `range_ratio` < 1
+    each length is drawn uniformly from [range_ratio x length, length] (the same draws, from the
+    same seed, for every system)."""
 
     input_len: int
     output_len: int
     count: int
+    range_ratio: float = 1.0
 
 
 @dataclass(frozen=True)
 class CapacityWorkload:
-    """Requests sent together; one part is one length, several make a mixed workload."""
+    """Requests sent together: one length, or (range ratio < 1) a mix of lengths."""
 
     name: str
     parts: tuple[Part, ...]
@@ -70,7 +72,8 @@ class CapacityWorkload:
     def length(self) -> int | None:
         """The requests' final length when they all have one (None for a mix)."""
         lengths = {part.input_len + part.output_len for part in self.parts}
-        return lengths.pop() if len(lengths) == 1 else None
+        mixed = any(part.range_ratio < 1 for part in self.parts)
+        return lengths.pop() if len(lengths) == 1 and not mixed else None
 
 
 @dataclass(frozen=True)
@@ -87,9 +90,16 @@ class CapacityProfile:
 
 
 def _cpu_server(max_total_tokens: int, model: str = "default", shape: str = "full") -> ServerSettings:
-    return ServerSettings(model=model, device="cpu", dtype="float32", max_total_tokens=max_total_tokens,
-                          mem_fraction_static=None, decode_log_interval=1, startup_timeout_s=900.0,
-                          shape=shape)
+    return ServerSettings(
+        model=model,
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=max_total_tokens,
+        mem_fraction_static=None,
+        decode_log_interval=1,
+        startup_timeout_s=900.0,
+        shape=shape,
+    )
 
 
 def _one(input_len: int, output_len: int, count: int) -> CapacityWorkload:
@@ -119,14 +129,15 @@ PROFILES: dict[str, CapacityProfile] = {
         CapacityProfile(
             name="heap",
             description="The one KV heap against stock at every length (default model, the KV bytes "
-            "of an 8,192-token dense pool): 256, 1,000 and 4,000-token prompts, and short chats "
-            "beside 4,000-token documents, 32 output tokens each.",
+            "of an 8,192-token dense pool): 256, 1,000 and 4,000-token prompts with 32 output "
+            "tokens, and a mix of chats and documents (prompts drawn from 256 to 4,000 tokens, "
+            "outputs from 2 to 32, the same draws for both systems).",
             server=_cpu_server(8192),
             workloads=(
                 _one(256, 32, 40),
                 _one(1000, 32, 12),
                 _one(4000, 32, 8),
-                CapacityWorkload("mixed", (Part(256, 32, 24), Part(4000, 32, 4))),
+                CapacityWorkload("mixed", (Part(4000, 32, 24, range_ratio=0.064),)),
             ),
             variants=(Variant("default", PROJECT_DEFAULT),),
             client_timeout_s=2400.0,
@@ -158,23 +169,45 @@ def say(message: str) -> None:
     print(f"[capacity] {message}", flush=True)
 
 
-def run_workload(server: ServerProcess, name: str, workload: CapacityWorkload, profile: CapacityProfile,
-                 log_dir: Path, bytes_per_token: int, num_layers: int) -> dict[str, Any]:
+def run_workload(
+    server: ServerProcess,
+    name: str,
+    workload: CapacityWorkload,
+    profile: CapacityProfile,
+    log_dir: Path,
+    bytes_per_token: int,
+    num_layers: int,
+) -> dict[str, Any]:
     """Send one workload's parts at once; its peak running requests and KV bytes per request."""
-    requests.post(f"{server.base_url}/flush_cache", timeout=120).raise_for_status()
+    server.flush_cache()
     bookmark = server.log_size()
-    mixed = len(workload.parts) > 1
+    together = len(workload.parts) > 1
     clients = [
-        Workload(part.input_len, part.output_len, part.count, part.count, profile.seed + i, flush_cache=not mixed)
+        Workload(
+            part.input_len,
+            part.output_len,
+            part.count,
+            part.count,
+            profile.seed + i,
+            flush_cache=not together,
+            range_ratio=part.range_ratio,
+        )
         for i, part in enumerate(workload.parts)
     ]
     tag = f"{name}-{workload.name}"
     with KvStatsPoller(server.base_url) as poller, ThreadPoolExecutor(len(clients)) as pool:
-        results = list(pool.map(
-            lambda item: run_client(server.base_url, item[1], result_file=log_dir / f"client-{tag}-{item[0]}.jsonl",
-                                    log_path=log_dir / f"client-{tag}.log", timeout_s=profile.client_timeout_s),
-            enumerate(clients),
-        ))
+        results = list(
+            pool.map(
+                lambda item: run_client(
+                    server.base_url,
+                    item[1],
+                    result_file=log_dir / f"client-{tag}-{item[0]}.jsonl",
+                    log_path=log_dir / f"client-{tag}.log",
+                    timeout_s=profile.client_timeout_s,
+                ),
+                enumerate(clients),
+            )
+        )
     parts = workload.parts
     dense_bytes = sum((p.input_len + p.output_len) * p.count for p in parts) / sum(p.count for p in parts)
     kv_bytes, source = poller.bytes_per_request(dense_bytes * bytes_per_token)
@@ -187,29 +220,37 @@ def run_workload(server: ServerProcess, name: str, workload: CapacityWorkload, p
         "kv_bytes_per_request": kv_bytes,
         "kv_bytes_per_request_per_layer": {
             kind: slots * layer_token_bytes for kind, slots in poller.layer_slots_per_request.items()
-        } or {"every": kv_bytes / num_layers},
+        }
+        or {"every": kv_bytes / num_layers},
         "kv_bytes_source": source,
     }
 
 
-def measure_system(name: str, flags: tuple[str, ...], shared: list[str], profile: CapacityProfile,
-                   log_dir: Path, bytes_per_token: int, num_layers: int) -> dict[str, Any]:
+def measure_system(
+    name: str,
+    flags: tuple[str, ...],
+    shared: list[str],
+    profile: CapacityProfile,
+    log_dir: Path,
+    bytes_per_token: int,
+    num_layers: int,
+) -> dict[str, Any]:
     """One system: start it, run every workload, stop it."""
-    row: dict[str, Any] = {"name": name, "launcher": launcher_of(name), "flags": list(flags), "error": None,
-                           "runs": []}
+    row: dict[str, Any] = {"name": name, "launcher": launcher_of(name), "flags": list(flags), "error": None, "runs": []}
     try:
         with server_for(name, flags, shared, profile.server, log_dir, say) as server:
             for workload in profile.workloads:
                 say(f"[{name}] workload {workload.name}")
-                row["runs"].append(run_workload(server, name, workload, profile, log_dir, bytes_per_token,
-                                                num_layers))
+                row["runs"].append(run_workload(server, name, workload, profile, log_dir, bytes_per_token, num_layers))
     except (ServerStartError, ClientError, requests.RequestException) as exc:
         say(f"[{name}] failed: {exc}")
         row["error"] = str(exc).splitlines()[0]
     return row
 
 
-def heap_bound(flags: tuple[str, ...], model_config: dict[str, Any], length: int | None, dtype_bytes: int) -> float | None:
+def heap_bound(
+    flags: tuple[str, ...], model_config: dict[str, Any], length: int | None, dtype_bytes: int
+) -> float | None:
     """Requests of `length` tokens the variant's heap admits per stock request, at equal bytes."""
     if length is None:
         return None
@@ -218,13 +259,9 @@ def heap_bound(flags: tuple[str, ...], model_config: dict[str, Any], length: int
     config = sparsity_from_args(parser.parse_args(list(flags)))
     if not config.enabled:
         return 1.0
-    layout = HeapLayout.from_resolved(
-        config.resolve(model_config["num_hidden_layers"], model_config["max_position_embeddings"])
-    )
-    heads = model_config.get("num_key_value_heads", model_config["num_attention_heads"])
     head_dim = model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
-    overhead = score_bytes(heads) / (2 * heads * head_dim * dtype_bytes)
-    return capacity_ratio(layout, length, score_overhead=overhead)
+    resolved = config.resolve(model_config["num_hidden_layers"], model_config["max_position_embeddings"])
+    return capacity_ratio(HeapLayout.from_resolved(resolved, scores_per_row(head_dim, dtype_bytes)), length)
 
 
 def add_ratios(report: dict[str, Any], model_config: dict[str, Any], dtype_bytes: int) -> None:
@@ -236,8 +273,11 @@ def add_ratios(report: dict[str, Any], model_config: dict[str, Any], dtype_bytes
         for run in system["runs"]:
             base = stock_peaks.get(run["workload"])
             run["ratio_to_stock"] = run["peak_running"] / base if base and run["peak_running"] else None
-            run["bound"] = heap_bound(tuple(system["flags"]), model_config, lengths[run["workload"]], dtype_bytes) \
-                if system["name"] != STOCK else 1.0
+            run["bound"] = (
+                heap_bound(tuple(system["flags"]), model_config, lengths[run["workload"]], dtype_bytes)
+                if system["name"] != STOCK
+                else 1.0
+            )
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -248,9 +288,15 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"- Machine: {report['machine']}",
         f"- Server arguments (all systems): `{' '.join(report['server_args'])}`",
-        "- Workloads: " + "; ".join(
-            f"**{w['name']}**: " + " + ".join(f"{p['count']} x {p['input_len']:,} + {p['output_len']}" for p in w["parts"])
-            for w in report["workloads"]),
+        "- Workloads: "
+        + "; ".join(
+            f"**{w['name']}**: "
+            + " + ".join(
+                f"{p['count']} x {_span(p['input_len'], p['range_ratio'])} + {_span(p['output_len'], p['range_ratio'])}"
+                for p in w["parts"]
+            )
+            for w in report["workloads"]
+        ),
         "",
         "| system | workload | done/sent | peak running req | ratio to stock | equal-bytes bound | "
         "KV bytes/req | KV bytes/req per layer (by kind) | KV source |",
@@ -262,11 +308,14 @@ def markdown(report: dict[str, Any]) -> str:
         for run in system["runs"]:
             ratio = f"{run['ratio_to_stock']:.2f}" if run["ratio_to_stock"] is not None else "—"
             bound = f"{run['bound']:.2f}" if run["bound"] is not None else "—"
-            per_layer = ", ".join(f"{kind} {value:,.0f}" for kind, value in run["kv_bytes_per_request_per_layer"].items())
+            per_layer = ", ".join(
+                f"{kind} {value:,.0f}" for kind, value in run["kv_bytes_per_request_per_layer"].items()
+            )
             peak = run["peak_running"] if run["peak_running"] is not None else "—"
             lines.append(
                 f"| {system['name']} | {run['workload']} | {run['completed']}/{run['sent']} | {peak} | {ratio} | "
-                f"{bound} | {run['kv_bytes_per_request']:,.0f} | {per_layer} | {run['kv_bytes_source']} |")
+                f"{bound} | {run['kv_bytes_per_request']:,.0f} | {per_layer} | {run['kv_bytes_source']} |"
+            )
     lines += ["", "Systems:", ""]
     for system in report["systems"]:
         lines.append(f"- **{system['name']}**: `{system['launcher']}` {' '.join(system['flags']) or '(stock)'}")
@@ -281,6 +330,10 @@ def markdown(report: dict[str, Any]) -> str:
         "(--max-total-tokens counts dense tokens).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _span(length: int, ratio: float) -> str:
+    return f"{length:,}" if ratio >= 1 else f"{int(length * ratio):,}..{length:,}"
 
 
 def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
@@ -298,15 +351,28 @@ def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
         single = [run for run in system["runs"] if run["ratio_to_stock"] is not None and run["bound"] is not None]
         lengths = [int(run["workload"]) for run in single]
         axis.plot(lengths, [run["ratio_to_stock"] for run in single], marker="o", label=f"{system['name']} (measured)")
-        axis.plot(lengths, [run["bound"] for run in single], marker="x", linestyle=":",
-                  label=f"{system['name']} equal-bytes bound")
+        axis.plot(
+            lengths,
+            [run["bound"] for run in single],
+            marker="x",
+            linestyle=":",
+            label=f"{system['name']} equal-bytes bound",
+        )
         for run in system["runs"]:
             if run["bound"] is None and run["ratio_to_stock"] is not None:
-                axis.axhline(run["ratio_to_stock"], color="tab:green", linestyle="-.", alpha=0.6,
-                             label=f"{system['name']} {run['workload']} workload (measured)")
+                axis.axhline(
+                    run["ratio_to_stock"],
+                    color="tab:green",
+                    linestyle="-.",
+                    alpha=0.6,
+                    label=f"{system['name']} {run['workload']} workload (measured)",
+                )
     axis.set_xscale("log", base=2)
-    axis.set(xlabel="prompt length (tokens)", ylabel="peak running requests / stock's",
-             title=f"{report['profile']} — {report['date']}")
+    axis.set(
+        xlabel="prompt length (tokens)",
+        ylabel="peak running requests / stock's",
+        title=f"{report['profile']} — {report['date']}",
+    )
     axis.grid(True, alpha=0.3)
     axis.legend(fontsize=8)
     fig.tight_layout()
@@ -350,19 +416,13 @@ def main(argv: list[str] | None = None) -> int:
         "kv_bytes_per_token": bytes_per_token,
         "systems": systems,
     }
-    add_ratios(report, model_config, bytes_per_token // (num_layers * 2 * _kv_width(model_config)))
+    add_ratios(report, model_config, DTYPE_BYTES[profile.server.dtype])
     write_json(paths, report)
     paths.markdown.write_text(markdown(report))
     write_plot(paths, report)
     print(paths.markdown.read_text(), flush=True)
     say(f"wrote {paths.json}, {paths.markdown}, {paths.png}")
     return 0 if all(system["error"] is None for system in systems) else 1
-
-
-def _kv_width(model_config: dict[str, Any]) -> int:
-    """KV heads x head dim of one layer's K (or V)."""
-    heads = model_config.get("num_key_value_heads", model_config["num_attention_heads"])
-    return heads * (model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"])
 
 
 if __name__ == "__main__":

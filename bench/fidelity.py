@@ -5,10 +5,10 @@ For each system (the full cache: the project's launcher with ``--kvsparse-preset
 variant at each budget) this starts the server on the default model (fp32, CPU), runs the suites,
 and stops the server:
 
-- ``retrieval``: every prompt of ``sglang_kvsparse.retrieval`` (passkey and needle-in-essays)
+- ``retrieval``: every prompt of ``kvsparse_testbed.retrieval`` (passkey and needle-in-essays)
   through the OpenAI chat endpoint with greedy decoding, scored by the answer;
 - ``lm``: essay passages whose continuation is teacher-forced through the decode path
-  (``sglang_kvsparse.continuations``): perplexity and top-1 accuracy on the real text, and
+  (``kvsparse_testbed.continuations``): perplexity and top-1 accuracy on the real text, and
   next-token agreement with the full cache's own greedy continuation.
 
 Variants:
@@ -39,17 +39,18 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import requests
 from common import teacher_forced
 from common.report import ReportPaths, write_json
-from common.server import ServerStartError
 from common.systems import ServerSettings, args_for_report, machine, prepare_model, server_for, shared_server_args
 
-from sglang_kvsparse import continuations, retrieval
-from sglang_kvsparse.texts import essay_text
+from kvsparse_testbed import continuations, retrieval
+from kvsparse_testbed.server import ServerStartError
+from kvsparse_testbed.texts import essay_text
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_BUDGETS = (256, 512, 1024, 2048)
@@ -60,8 +61,15 @@ VARIANTS: dict[str, Callable[[int], tuple[str, ...]]] = {
     "snapkv": lambda budget: ("--kvsparse-preset", "snapkv", "--kvsparse-budget", str(budget)),
     "default": lambda budget: ("--kvsparse-full-layers", "0,1", "--kvsparse-budget", str(budget)),
 }
-SETTINGS = ServerSettings(model="default", device="cpu", dtype="float32", max_total_tokens=16384,
-                          mem_fraction_static=None, decode_log_interval=40, startup_timeout_s=900.0)
+SETTINGS = ServerSettings(
+    model="default",
+    device="cpu",
+    dtype="float32",
+    max_total_tokens=16384,
+    mem_fraction_static=None,
+    decode_log_interval=40,
+    startup_timeout_s=900.0,
+)
 
 
 def say(message: str) -> None:
@@ -92,15 +100,29 @@ def ask(base_url: str, prompt: retrieval.RetrievalPrompt, max_new_tokens: int) -
     }
 
 
-def run_system(name: str, flags: tuple[str, ...], shared: list[str], prompts: list,
-               passages: list[continuations.Passage], references: dict[str, list[int]],
-               budget: int | None, log_dir: Path, max_new_tokens: int) -> dict[str, Any]:
+def run_system(
+    name: str,
+    flags: tuple[str, ...],
+    shared: list[str],
+    prompts: list,
+    passages: list[continuations.Passage],
+    references: dict[str, list[int]],
+    budget: int | None,
+    log_dir: Path,
+    max_new_tokens: int,
+) -> dict[str, Any]:
     """Start one server, ask every prompt longer than `budget`, score the passages, stop it.
 
     `references` holds the full cache's greedy continuations; the first system (the full cache)
     fills it."""
-    system: dict[str, Any] = {"name": name, "flags": list(flags), "budget": budget, "answers": {},
-                              "lm": {}, "error": None}
+    system: dict[str, Any] = {
+        "name": name,
+        "flags": list(flags),
+        "budget": budget,
+        "answers": {},
+        "lm": {},
+        "error": None,
+    }
     started = time.monotonic()
     try:
         with server_for(name, flags, shared, SETTINGS, log_dir, say) as server:
@@ -110,11 +132,14 @@ def run_system(name: str, flags: tuple[str, ...], shared: list[str], prompts: li
                     continue
                 system["answers"][prompt.prompt_id] = answer
                 mark = "✓" if answer["correct"] else "✗"
-                say(f"[{name}] {number}/{len(prompts)} {prompt.prompt_id} "
-                    f"({answer['prompt_tokens']} tok): {mark} {answer['output'][:40]!r}")
+                say(
+                    f"[{name}] {number}/{len(prompts)} {prompt.prompt_id} "
+                    f"({answer['prompt_tokens']} tok): {mark} {answer['output'][:40]!r}"
+                )
             if passages:
                 system["lm"] = teacher_forced.run_lm_suite(
-                    server.base_url, passages, references, lambda line: say(f"[{name}] {line}"))
+                    server.base_url, passages, references, lambda line: say(f"[{name}] {line}")
+                )
     except (ServerStartError, requests.RequestException, RuntimeError) as exc:
         say(f"[{name}] failed: {exc}")
         system["error"] = str(exc).splitlines()[0]
@@ -129,8 +154,9 @@ def load_kvpress(path: Path, prompts: list) -> dict[str, Any]:
     for prompt in prompts:
         theirs = by_id.get(prompt.prompt_id)
         if theirs is None or theirs["answer"] != prompt.answer:
-            raise SystemExit(f"{path} was not built from these prompts ({prompt.prompt_id}); "
-                             "rerun bench/fidelity_kvpress.py")
+            raise SystemExit(
+                f"{path} was not built from these prompts ({prompt.prompt_id}); rerun bench/fidelity_kvpress.py"
+            )
     return {"path": path.name, "kvpress": report["settings"]["kvpress"], "prompts": by_id}
 
 
@@ -150,19 +176,25 @@ def accuracy(report: dict[str, Any], kvpress: dict[str, Any] | None) -> dict[str
         variant = system["name"].rsplit("-", 1)[0]
         runs = [a for pid, a in system["answers"].items() if pid in solved]
         rows.setdefault(f"project {variant}", {})[str(system["budget"])] = {
-            "correct": sum(a["correct"] for a in runs), "evaluated": len(runs)}
+            "correct": sum(a["correct"] for a in runs),
+            "evaluated": len(runs),
+        }
     if kvpress is not None:
         for method in ("snapkv", "pyramidkv", "streamingllm"):
             for budget in report["settings"]["budgets"]:
-                runs = [kvpress["prompts"][pid]["methods"].get(method, {}).get(str(budget))
-                        for pid in solved]
+                runs = [kvpress["prompts"][pid]["methods"].get(method, {}).get(str(budget)) for pid in solved]
                 runs = [r for r in runs if r is not None]
                 if runs:
                     rows.setdefault(f"kvpress {method}", {})[str(budget)] = {
-                        "correct": sum(r["correct"] for r in runs), "evaluated": len(runs)}
-    return {"solved_by_both_full_caches": sorted(solved), "rows": rows,
-            "full_cache_solved": sum(a["correct"] for a in full["answers"].values()),
-            "prompts": len(full["answers"])}
+                        "correct": sum(r["correct"] for r in runs),
+                        "evaluated": len(runs),
+                    }
+    return {
+        "solved_by_both_full_caches": sorted(solved),
+        "rows": rows,
+        "full_cache_solved": sum(a["correct"] for a in full["answers"].values()),
+        "prompts": len(full["answers"]),
+    }
 
 
 def language_model(report: dict[str, Any], kvpress_lm: dict[str, Any] | None) -> dict[str, Any]:
@@ -176,22 +208,29 @@ def language_model(report: dict[str, Any], kvpress_lm: dict[str, Any] | None) ->
     rows = [_lm_row(system["name"], system["budget"], system["lm"], full["lm"]) for system in systems]
     if kvpress_lm is not None:
         theirs = kvpress_lm["systems"]
-        rows += [_lm_row(f"kvpress {name}", int(name.rsplit("-", 1)[1]), per_passage, theirs[FULL])
-                 for name, per_passage in theirs.items()
-                 if name != FULL and int(name.rsplit("-", 1)[1]) in report["settings"]["budgets"]]
+        rows += [
+            _lm_row(f"kvpress {name}", int(name.rsplit("-", 1)[1]), per_passage, theirs[FULL])
+            for name, per_passage in theirs.items()
+            if name != FULL and int(name.rsplit("-", 1)[1]) in report["settings"]["budgets"]
+        ]
     return {"passages": len(full["lm"]), "rows": rows}
 
 
-def _lm_row(name: str, budget: int | None, per_passage: dict[str, Any],
-            full: dict[str, Any]) -> dict[str, Any]:
+def _lm_row(name: str, budget: int | None, per_passage: dict[str, Any], full: dict[str, Any]) -> dict[str, Any]:
     """One system's totals; its perplexity ratio is to `full` (that run's full cache) on the same
     passages (kvpress skips passages no longer than its budget)."""
     real = teacher_forced.summarize(per_passage, "real")
     greedy = teacher_forced.summarize(per_passage, "full_greedy")
     full_ppl = teacher_forced.summarize({pid: full[pid] for pid in per_passage}, "real").perplexity
-    return {"system": name, "budget": budget, "tokens": real.tokens, "perplexity": real.perplexity,
-            "perplexity_ratio": real.perplexity / full_ppl, "top1_real": real.top1_rate,
-            "agreement_with_full": greedy.top1_rate}
+    return {
+        "system": name,
+        "budget": budget,
+        "tokens": real.tokens,
+        "perplexity": real.perplexity,
+        "perplexity_ratio": real.perplexity / full_ppl,
+        "top1_real": real.top1_rate,
+        "agreement_with_full": greedy.top1_rate,
+    }
 
 
 def load_kvpress_lm(path: Path, passages: list[continuations.Passage]) -> dict[str, Any] | None:
@@ -199,8 +238,9 @@ def load_kvpress_lm(path: Path, passages: list[continuations.Passage]) -> dict[s
     why) when its report did not score all of them."""
     report = json.loads(path.read_text())
     by_id = {p["passage_id"]: p for p in report["passages"]}
-    same = all(p.passage_id in by_id and by_id[p.passage_id]["context_tokens"] == len(p.context_ids)
-               for p in passages) and report["settings"]["continuation_len"] == len(passages[0].continuation_ids)
+    same = all(
+        p.passage_id in by_id and by_id[p.passage_id]["context_tokens"] == len(p.context_ids) for p in passages
+    ) and report["settings"]["continuation_len"] == len(passages[0].continuation_ids)
     if not same:
         say(f"{path.name} scored other passages: no kvpress rows in the language-model table")
         return None
@@ -253,11 +293,18 @@ def retrieval_markdown(report: dict[str, Any]) -> list[str]:
     ]
     for method, cells in acc["rows"].items():
         shown = [cells.get(str(b)) for b in budgets]
-        lines.append(f"| {method} | " + " | ".join(
-            "—" if c is None else f"{c['correct']}/{c['evaluated']}" for c in shown) + " |")
-    lines += ["", "### Per prompt", "",
-              "| prompt | tokens | answer | " + " | ".join(s["name"] for s in report["systems"]) + " |",
-              "|---|---|---|" + "---|" * len(report["systems"])]
+        lines.append(
+            f"| {method} | "
+            + " | ".join("—" if c is None else f"{c['correct']}/{c['evaluated']}" for c in shown)
+            + " |"
+        )
+    lines += [
+        "",
+        "### Per prompt",
+        "",
+        "| prompt | tokens | answer | " + " | ".join(s["name"] for s in report["systems"]) + " |",
+        "|---|---|---|" + "---|" * len(report["systems"]),
+    ]
     tokens = report["prompt_tokens"]
     for pid, answer in zip(report["prompt_ids"], report["answers"]):
         marks = []
@@ -286,15 +333,22 @@ def lm_markdown(report: dict[str, Any]) -> list[str]:
     if not lm:
         return lines + ["The full-cache run failed; no scores.", ""]
     if report.get("kvpress_lm"):
-        lines += [f"kvpress rows: `{report['kvpress_lm']}` (Hugging Face transformers, the same passages; "
-                  "kvpress compresses the context at prefill and never evicts while decoding, and its "
-                  "agreement is with its own full cache's greedy continuation).", ""]
-    lines += ["| system | budget | tokens | perplexity | vs full | top-1 (real text) | agreement with full |",
-              "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"kvpress rows: `{report['kvpress_lm']}` (Hugging Face transformers, the same passages; "
+            "kvpress compresses the context at prefill and never evicts while decoding, and its "
+            "agreement is with its own full cache's greedy continuation).",
+            "",
+        ]
+    lines += [
+        "| system | budget | tokens | perplexity | vs full | top-1 (real text) | agreement with full |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in lm["rows"]:
         budget = "—" if row["budget"] is None else f"{row['budget']:,}"
-        lines.append(f"| {row['system']} | {budget} | {row['tokens']} | {row['perplexity']:.3f} | "
-                     f"{row['perplexity_ratio']:.3f} | {row['top1_real']:.3f} | {row['agreement_with_full']:.3f} |")
+        lines.append(
+            f"| {row['system']} | {budget} | {row['tokens']} | {row['perplexity']:.3f} | "
+            f"{row['perplexity_ratio']:.3f} | {row['top1_real']:.3f} | {row['agreement_with_full']:.3f} |"
+        )
     return lines + [""]
 
 
@@ -304,8 +358,9 @@ def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [kind for kind, present in (("retrieval", report["accuracy"]),
-                                         ("lm", report["language_model"])) if present]
+    panels = [
+        kind for kind, present in (("retrieval", report["accuracy"]), ("lm", report["language_model"])) if present
+    ]
     if not panels:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
@@ -315,21 +370,24 @@ def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
             for method, cells in report["accuracy"]["rows"].items():
                 xs = sorted(int(b) for b in cells)
                 ys = [cells[str(b)]["correct"] / max(cells[str(b)]["evaluated"], 1) for b in xs]
-                axis.plot(xs, ys, marker="o", linestyle="-" if method.startswith("project") else "--",
-                          label=method)
-            axis.set(ylabel="retrieval accuracy", title="Retrieval (prompts both full caches solve)",
-                     ylim=(-0.05, 1.05))
+                axis.plot(xs, ys, marker="o", linestyle="-" if method.startswith("project") else "--", label=method)
+            axis.set(
+                ylabel="retrieval accuracy", title="Retrieval (prompts both full caches solve)", ylim=(-0.05, 1.05)
+            )
         else:
             rows = [r for r in report["language_model"]["rows"] if r["budget"] is not None]
             for variant in dict.fromkeys(r["system"].rsplit("-", 1)[0] for r in rows):
-                mine = sorted((r for r in rows if r["system"].rsplit("-", 1)[0] == variant),
-                              key=lambda r: r["budget"])
+                mine = sorted((r for r in rows if r["system"].rsplit("-", 1)[0] == variant), key=lambda r: r["budget"])
                 xs = [r["budget"] for r in mine]
                 style = "--" if variant.startswith("kvpress") else "-"
-                axis.plot(xs, [r["agreement_with_full"] for r in mine], marker="o", linestyle=style,
-                          label=f"{variant}: agreement with full")
-            axis.set(ylabel="next-token agreement with the full cache",
-                     title="Real text, teacher-forced decode")
+                axis.plot(
+                    xs,
+                    [r["agreement_with_full"] for r in mine],
+                    marker="o",
+                    linestyle=style,
+                    label=f"{variant}: agreement with full",
+                )
+            axis.set(ylabel="next-token agreement with the full cache", title="Real text, teacher-forced decode")
         axis.axhline(1.0, color="gray", linewidth=0.8, label="full cache")
         axis.set(xscale="log", xlabel="budget (tokens kept per sparse layer)")
         axis.set_xticks(budgets, [str(b) for b in budgets])
@@ -342,13 +400,13 @@ def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
     plt.close(fig)
 
 
-def write_report(paths: ReportPaths, report: dict[str, Any], kvpress: dict[str, Any] | None,
-                 kvpress_lm: dict[str, Any] | None) -> None:
+def write_report(
+    paths: ReportPaths, report: dict[str, Any], kvpress: dict[str, Any] | None, kvpress_lm: dict[str, Any] | None
+) -> None:
     tokens = {pid: a["prompt_tokens"] for s in report["systems"] for pid, a in s["answers"].items()}
     report["prompt_tokens"] = tokens
     if tokens:
-        report["settings"].update(prompt_tokens_min=min(tokens.values()),
-                                  prompt_tokens_max=max(tokens.values()))
+        report["settings"].update(prompt_tokens_min=min(tokens.values()), prompt_tokens_max=max(tokens.values()))
     report["accuracy"] = accuracy(report, kvpress)
     report["language_model"] = language_model(report, kvpress_lm)
     write_json(paths, report)
@@ -388,24 +446,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated, of {SUITES}")
     parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)))
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--kvpress", type=Path, default=latest_report("fidelity-kvpress"),
-                        help="kvpress retrieval report to compare with (default: the latest in bench/results)")
-    parser.add_argument("--kvpress-lm", type=Path, default=latest_report("fidelity-kvpress-lm"),
-                        help="kvpress language-model report (default: the latest in bench/results)")
+    parser.add_argument(
+        "--kvpress",
+        type=Path,
+        default=latest_report("fidelity-kvpress"),
+        help="kvpress retrieval report to compare with (default: the latest in bench/results)",
+    )
+    parser.add_argument(
+        "--kvpress-lm",
+        type=Path,
+        default=latest_report("fidelity-kvpress-lm"),
+        help="kvpress language-model report (default: the latest in bench/results)",
+    )
     parser.add_argument("--no-kvpress", action="store_true", help="compare with nothing external")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--limit", type=int, help="only the first N retrieval prompts (a quick look)")
-    parser.add_argument("--all-prompts", action="store_true",
-                        help="also ask the prompts kvpress's full cache misses")
-    parser.add_argument("--lm-context-lens", type=_ints,
-                        default=list(continuations.DEFAULT_CONTEXT_LENS))
-    parser.add_argument("--lm-passages", type=int, default=continuations.DEFAULT_PASSAGES_PER_LEN,
-                        help="passages per context length")
-    parser.add_argument("--lm-continuation", type=int, default=continuations.DEFAULT_CONTINUATION_LEN,
-                        help="forced tokens per passage")
+    parser.add_argument("--all-prompts", action="store_true", help="also ask the prompts kvpress's full cache misses")
+    parser.add_argument("--lm-context-lens", type=_ints, default=list(continuations.DEFAULT_CONTEXT_LENS))
+    parser.add_argument(
+        "--lm-passages", type=int, default=continuations.DEFAULT_PASSAGES_PER_LEN, help="passages per context length"
+    )
+    parser.add_argument(
+        "--lm-continuation", type=int, default=continuations.DEFAULT_CONTINUATION_LEN, help="forced tokens per passage"
+    )
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--resume", action="store_true",
-                        help="keep the systems today's report measured without error; run the rest")
+    parser.add_argument(
+        "--resume", action="store_true", help="keep the systems today's report measured without error; run the rest"
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     budgets = sorted(_ints(args.budgets))
@@ -428,36 +495,61 @@ def main(argv: list[str] | None = None) -> int:
     paths = ReportPaths(args.out_dir, f"fidelity-{date}")
     log_dir = args.out_dir / f"{paths.stem}-logs"
     model_dir, load_args = prepare_model(SETTINGS, log_dir)
-    passages = (teacher_forced.build_passages(model_dir, args.lm_context_lens, args.lm_passages,
-                                              args.lm_continuation) if "lm" in suites else [])
+    passages = (
+        teacher_forced.build_passages(model_dir, args.lm_context_lens, args.lm_passages, args.lm_continuation)
+        if "lm" in suites
+        else []
+    )
     kvpress_lm = None
     if passages and not args.no_kvpress and args.kvpress_lm is not None:
         kvpress_lm = load_kvpress_lm(args.kvpress_lm, passages)
     shared = shared_server_args(SETTINGS, model_dir, load_args) + list(teacher_forced.SERVER_FLAGS)
     report: dict[str, Any] = {
-        "benchmark": "fidelity", "date": date, "machine": machine(),
+        "benchmark": "fidelity",
+        "date": date,
+        "machine": machine(),
         "server_args": args_for_report(shared, model_dir),
-        "settings": {"suites": suites, "budgets": budgets, "variants": variants,
-                     "max_new_tokens": args.max_new_tokens, "lm_context_lens": args.lm_context_lens,
-                     "lm_passages_per_len": args.lm_passages, "lm_continuation_len": args.lm_continuation},
-        "prompt_ids": [p.prompt_id for p in prompts], "answers": [p.answer for p in prompts],
-        "passage_ids": [p.passage_id for p in passages], "full_greedy_continuations": {},
+        "settings": {
+            "suites": suites,
+            "budgets": budgets,
+            "variants": variants,
+            "max_new_tokens": args.max_new_tokens,
+            "lm_context_lens": args.lm_context_lens,
+            "lm_passages_per_len": args.lm_passages,
+            "lm_continuation_len": args.lm_continuation,
+        },
+        "prompt_ids": [p.prompt_id for p in prompts],
+        "answers": [p.answer for p in prompts],
+        "passage_ids": [p.passage_id for p in passages],
+        "full_greedy_continuations": {},
         "kvpress": kvpress and {k: v for k, v in kvpress.items() if k != "prompts"},
-        "kvpress_lm": kvpress_lm and kvpress_lm["path"], "systems": [],
+        "kvpress_lm": kvpress_lm and kvpress_lm["path"],
+        "systems": [],
     }
     plan = [(FULL, FULL_FLAGS, None)] + [
-        (f"{variant}-{budget}", VARIANTS[variant](budget), budget)
-        for variant in variants for budget in budgets]
-    say(f"{len(prompts)} prompts, {len(passages)} passages; {len(plan)} servers: "
-        f"{', '.join(name for name, _, _ in plan)}")
+        (f"{variant}-{budget}", VARIANTS[variant](budget), budget) for variant in variants for budget in budgets
+    ]
+    say(
+        f"{len(prompts)} prompts, {len(passages)} passages; {len(plan)} servers: "
+        f"{', '.join(name for name, _, _ in plan)}"
+    )
     done = resumable(paths, report) if args.resume else {}
     for name, flags, budget in plan:
         if name in done:
             say(f"[{name}] kept from {paths.json.name}")
             report["systems"].append(done[name])
             continue
-        system = run_system(name, flags, shared, prompts, passages, report["full_greedy_continuations"],
-                            budget, log_dir, args.max_new_tokens)
+        system = run_system(
+            name,
+            flags,
+            shared,
+            prompts,
+            passages,
+            report["full_greedy_continuations"],
+            budget,
+            log_dir,
+            args.max_new_tokens,
+        )
         report["systems"].append(system)
         write_report(paths, report, kvpress, kvpress_lm)
         if name == FULL and system["error"] is not None:

@@ -4,7 +4,7 @@ Run with the kvpress environment (``bash scripts/setup-kvpress.sh`` creates it):
 
     .venv-kvpress/bin/python bench/fidelity_kvpress.py
 
-For every prompt of ``sglang_kvsparse.retrieval`` (passkey and needle-in-essays, chat-formatted
+For every prompt of ``kvsparse_testbed.retrieval`` (passkey and needle-in-essays, chat-formatted
 with the model's template), it answers greedily with the full KV cache and with kvpress's
 SnapKVPress, PyramidKVPress and StreamingLLMPress (their default parameters) keeping each budget of
 tokens per layer. As in the project's server, the press compresses the cache of the *whole* prompt,
@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-from dataclasses import asdict
-from importlib.metadata import version
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import asdict
+from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from common.report import ReportPaths, write_json
@@ -38,9 +39,9 @@ from kvpress.presses.base_press import BasePress
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from sglang_kvsparse import retrieval
+from kvsparse_testbed import retrieval
+from kvsparse_testbed.texts import essay_text
 from sglang_kvsparse.models import ModelUnavailableError, ensure_default_model
-from sglang_kvsparse.texts import essay_text
 
 METHODS: dict[str, Callable[[float], BasePress]] = {
     "snapkv": lambda ratio: SnapKVPress(compression_ratio=ratio),
@@ -89,9 +90,7 @@ def prefill_fan_out(
             press.forward_hook(module, args, {**kwargs, "past_key_values": cache}, output)
         return output
 
-    handles = [
-        layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers
-    ]
+    handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
     try:
         with torch.inference_mode():
             logits = model(ids, past_key_values=full, use_cache=True, logits_to_keep=1).logits
@@ -135,9 +134,7 @@ def greedy(
     return out
 
 
-def check_fan_out(
-    model: PreTrainedModel, ids: torch.Tensor, presses: dict[Variant, BasePress]
-) -> dict[str, Any]:
+def check_fan_out(model: PreTrainedModel, ids: torch.Tensor, presses: dict[Variant, BasePress]) -> dict[str, Any]:
     """Compare the fan-out's caches with kvpress's own path, one budget per method."""
     _, _, fanned = prefill_fan_out(model, ids, presses)
     checked: dict[str, Any] = {}
@@ -193,8 +190,7 @@ def markdown(report: dict[str, Any]) -> str:
     budgets = report["settings"]["budgets"]
     methods = list(report["settings"]["press_parameters"])
     lines = [
-        f"# Retrieval fidelity, NVIDIA kvpress {report['settings']['kvpress']} "
-        f"({report['date']})",
+        f"# Retrieval fidelity, NVIDIA kvpress {report['settings']['kvpress']} ({report['date']})",
         "",
         f"Model {report['settings']['model_name']}, fp32, Hugging Face transformers "
         f"{report['settings']['transformers']} on the CPU, greedy, max "
@@ -212,24 +208,16 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             "| method | " + " | ".join(f"{b:,}" for b in budgets) + " |",
             "|---|" + "---|" * len(budgets),
-            "| full cache | "
-            + " | ".join(f"{row['full_correct']}/{row['full_correct']}" for _ in budgets)
-            + " |",
+            "| full cache | " + " | ".join(f"{row['full_correct']}/{row['full_correct']}" for _ in budgets) + " |",
         ]
         for method, per_budget in row["methods"].items():
             cells = [per_budget[str(b)] for b in budgets]
-            lines.append(
-                f"| {method} | "
-                + " | ".join(f"{c['correct']}/{c['evaluated']}" for c in cells)
-                + " |"
-            )
+            lines.append(f"| {method} | " + " | ".join(f"{c['correct']}/{c['evaluated']}" for c in cells) + " |")
         lines.append("")
     lines += [
         "## Per prompt",
         "",
-        "| prompt | tokens | answer | full | "
-        + " | ".join(f"{m} {b}" for m in methods for b in budgets)
-        + " |",
+        "| prompt | tokens | answer | full | " + " | ".join(f"{m} {b}" for m in methods for b in budgets) + " |",
         "|---|---|---|---|" + "---|" * (len(methods) * len(budgets)),
     ]
     for p in report["prompts"]:
@@ -318,9 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompts[: args.limit] if args.limit else prompts
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     stop_ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
     date = dt.date.today().isoformat()
     paths = ReportPaths(args.out_dir, args.stem or f"fidelity-kvpress-{date}")
@@ -338,8 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             "transformers": version("transformers"),
             "torch": torch.__version__,
             "press_parameters": {
-                m: {k: v for k, v in asdict(METHODS[m](0.0)).items() if k != "compression_ratio"}
-                for m in methods
+                m: {k: v for k, v in asdict(METHODS[m](0.0)).items() if k != "compression_ratio"} for m in methods
             },
             "budgets": budgets,
             "max_new_tokens": args.max_new_tokens,
@@ -385,8 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         report["prompts"].append(record)
         write_report(paths, report)
         hits = " ".join(
-            f"{m}:" + "".join("✓" if r["correct"] else "✗" for r in record["methods"][m].values())
-            for m in methods
+            f"{m}:" + "".join("✓" if r["correct"] else "✗" for r in record["methods"][m].values()) for m in methods
         )
         print(
             f"[{number}/{len(prompts)}] {prompt.prompt_id} {n} tok, answer {prompt.answer}: "

@@ -5,7 +5,7 @@ Run with the kvpress environment (``bash scripts/setup-kvpress.sh`` creates it):
 
     .venv-kvpress/bin/python bench/fidelity_kvpress_lm.py
 
-For every passage of ``sglang_kvsparse.continuations`` the context is prefilled once, each layer's
+For every passage of ``kvsparse_testbed.continuations`` the context is prefilled once, each layer's
 keys and values handed to every press (``fidelity_kvpress.prefill_fan_out``, checked against
 kvpress's own path on the first passage). The full cache decodes its greedy continuation; then the
 full cache and each press at each budget are teacher-forced, a token a step at the true positions,
@@ -40,14 +40,15 @@ from fidelity_kvpress import (
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from sglang_kvsparse import continuations
-from sglang_kvsparse.continuations import ForcedScore, total
+from kvsparse_testbed import continuations
+from kvsparse_testbed.continuations import ForcedScore, total
 
 FULL = "full"
 
 
-def forced_records(model: PreTrainedModel, first_logits: torch.Tensor, cache: DynamicCache,
-                   context_len: int, forced: list[int]) -> list[list[float]]:
+def forced_records(
+    model: PreTrainedModel, first_logits: torch.Tensor, cache: DynamicCache, context_len: int, forced: list[int]
+) -> list[list[float]]:
     """[logprob of the forced token, top id] per step: the first from the prefill's logits, each
     next one from a decode step of the forced token over a copy of `cache`, at its true position.
     One token a step, as kvpress decodes: its layers may keep different numbers of entries
@@ -56,18 +57,26 @@ def forced_records(model: PreTrainedModel, first_logits: torch.Tensor, cache: Dy
     logits = [first_logits]
     with torch.inference_mode():
         for step, token in enumerate(forced[:-1]):
-            logits.append(model(
-                input_ids=torch.tensor([[token]]),
-                past_key_values=cache,
-                position_ids=torch.tensor([[context_len + step]]),
-                use_cache=True,
-            ).logits[0, -1])
+            logits.append(
+                model(
+                    input_ids=torch.tensor([[token]]),
+                    past_key_values=cache,
+                    position_ids=torch.tensor([[context_len + step]]),
+                    use_cache=True,
+                ).logits[0, -1]
+            )
     logprobs = torch.log_softmax(torch.stack(logits).float(), dim=-1)
     return [[float(logprobs[i, token]), int(logprobs[i].argmax())] for i, token in enumerate(forced)]
 
 
-def scores(model: PreTrainedModel, first_logits: torch.Tensor, cache: DynamicCache, context_len: int,
-           real: list[int], greedy_ids: list[int]) -> dict[str, dict[str, float]]:
+def scores(
+    model: PreTrainedModel,
+    first_logits: torch.Tensor,
+    cache: DynamicCache,
+    context_len: int,
+    real: list[int],
+    greedy_ids: list[int],
+) -> dict[str, dict[str, float]]:
     return {
         reference: ForcedScore.of(forced_records(model, first_logits, cache, context_len, ids), ids).to_json()
         for reference, ids in (("real", real), ("full_greedy", greedy_ids))
@@ -84,14 +93,25 @@ def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
         passages = [p for p in report["passages"] if system in p["scores"]]
         if not passages:
             continue
-        real, greedy_score = (total([ForcedScore.from_json(p["scores"][system][ref]) for p in passages])
-                              for ref in ("real", "full_greedy"))
+        real, greedy_score = (
+            total([ForcedScore.from_json(p["scores"][system][ref]) for p in passages])
+            for ref in ("real", "full_greedy")
+        )
         full = total([ForcedScore.from_json(p["scores"][FULL]["real"]) for p in passages])
         method, _, budget = system.partition("-")
-        rows.append({"system": f"kvpress {system}" if budget else FULL, "method": method,
-                     "budget": int(budget) if budget else None, "passages": len(passages), "tokens": real.tokens,
-                     "perplexity": real.perplexity, "perplexity_ratio": real.perplexity / full.perplexity,
-                     "top1_real": real.top1_rate, "agreement_with_full": greedy_score.top1_rate})
+        rows.append(
+            {
+                "system": f"kvpress {system}" if budget else FULL,
+                "method": method,
+                "budget": int(budget) if budget else None,
+                "passages": len(passages),
+                "tokens": real.tokens,
+                "perplexity": real.perplexity,
+                "perplexity_ratio": real.perplexity / full.perplexity,
+                "top1_real": real.top1_rate,
+                "agreement_with_full": greedy_score.top1_rate,
+            }
+        )
     return rows
 
 
@@ -115,8 +135,10 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for row in summary_rows(report):
         budget = "—" if row["budget"] is None else f"{row['budget']:,}"
-        lines.append(f"| {row['system']} | {budget} | {row['tokens']} | {row['perplexity']:.3f} | "
-                     f"{row['perplexity_ratio']:.3f} | {row['top1_real']:.3f} | {row['agreement_with_full']:.3f} |")
+        lines.append(
+            f"| {row['system']} | {budget} | {row['tokens']} | {row['perplexity']:.3f} | "
+            f"{row['perplexity_ratio']:.3f} | {row['top1_real']:.3f} | {row['agreement_with_full']:.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -126,8 +148,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)))
     parser.add_argument("--context-lens", default=",".join(map(str, continuations.DEFAULT_CONTEXT_LENS)))
-    parser.add_argument("--passages", type=int, default=continuations.DEFAULT_PASSAGES_PER_LEN,
-                        help="passages per context length")
+    parser.add_argument(
+        "--passages", type=int, default=continuations.DEFAULT_PASSAGES_PER_LEN, help="passages per context length"
+    )
     parser.add_argument("--continuation", type=int, default=continuations.DEFAULT_CONTINUATION_LEN)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
@@ -147,10 +170,18 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "fidelity-kvpress-lm",
         "date": date,
         "settings": {
-            "model_name": model_dir.name, "dtype": "float32", "attention": "sdpa", "threads": args.threads,
-            "kvpress": version("kvpress"), "transformers": version("transformers"), "torch": torch.__version__,
-            "methods": methods, "budgets": budgets, "context_lens": context_lens,
-            "passages_per_len": args.passages, "continuation_len": args.continuation,
+            "model_name": model_dir.name,
+            "dtype": "float32",
+            "attention": "sdpa",
+            "threads": args.threads,
+            "kvpress": version("kvpress"),
+            "transformers": version("transformers"),
+            "torch": torch.__version__,
+            "methods": methods,
+            "budgets": budgets,
+            "context_lens": context_lens,
+            "passages_per_len": args.passages,
+            "continuation_len": args.continuation,
             "compression_ratio": "1 - (budget + 0.5) / context_tokens",
         },
         "passages": [],
@@ -166,8 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         first_logits, full, caches = prefill_fan_out(model, ids, presses)
         real = list(passage.continuation_ids)
         greedy_ids = greedy(model, first_logits, copy.deepcopy(full), n, len(real), stop_ids=set())
-        record: dict[str, Any] = {"passage_id": passage.passage_id, "context_tokens": n,
-                                  "full_greedy": greedy_ids, "scores": {}}
+        record: dict[str, Any] = {
+            "passage_id": passage.passage_id,
+            "context_tokens": n,
+            "full_greedy": greedy_ids,
+            "scores": {},
+        }
         record["scores"][FULL] = scores(model, first_logits, full, n, real, greedy_ids)
         for (method, budget), cache in caches.items():
             record["scores"][f"{method}-{budget}"] = scores(model, first_logits, cache, n, real, greedy_ids)

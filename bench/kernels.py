@@ -27,9 +27,9 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -70,7 +70,10 @@ class Sizes:
 
 # A Llama-3-8B-like layer: 8 KV heads, GQA 4, head dim 128, bf16.
 GPU_SIZES = Sizes(
-    8, 4, 128, torch.bfloat16,
+    8,
+    4,
+    128,
+    torch.bfloat16,
     prefill=(
         ("1x5000", (5000,), (5000,)),
         ("4x5000", (5000,) * 4, (5000,) * 4),
@@ -81,7 +84,10 @@ GPU_SIZES = Sizes(
     num_kv_splits=8,
 )
 SMALL_SIZES = Sizes(
-    2, 4, 64, torch.float16,
+    2,
+    4,
+    64,
+    torch.float16,
     prefill=(("2 requests", (100, 37), (100, 90)),),
     decode=(("3 x ~64", 3, 64),),
     window=16,
@@ -112,7 +118,7 @@ def timer(fn: Callable[[], object], reps: int, cuda: bool) -> float:
     return statistics.median(samples)
 
 
-def load_sglang() -> tuple[Optional[object], Optional[object], str]:
+def load_sglang() -> tuple[object | None, object | None, str]:
     """SGLang's Triton extend and decode entry points, or the reason they are unavailable."""
     try:
         from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
@@ -139,8 +145,23 @@ def sglang_extend_call(extend_fwd, batch: RaggedBatch, with_lse: bool) -> Callab
 
     def run() -> tuple:
         extend_fwd(
-            batch.q, k_new, v_new, o, batch.k_buf, batch.v_buf, batch.qo_indptr, prefix_indptr,
-            prefix_indices, None, True, None, max_q, 1.0, 1.0, sm_scale=batch.sm_scale, lse_extend=lse,
+            batch.q,
+            k_new,
+            v_new,
+            o,
+            batch.k_buf,
+            batch.v_buf,
+            batch.qo_indptr,
+            prefix_indptr,
+            prefix_indices,
+            None,
+            True,
+            None,
+            max_q,
+            1.0,
+            1.0,
+            sm_scale=batch.sm_scale,
+            lse_extend=lse,
         )
         return o, lse
 
@@ -157,15 +178,26 @@ def sglang_decode_call(decode_fwd, batch: RaggedBatch, q: torch.Tensor, splits: 
 
     def run() -> torch.Tensor:
         decode_fwd(
-            q, batch.k_buf, batch.v_buf, o, batch.kv_indptr, batch.kv_indices, logits, lse,
-            num_splits, splits, batch.sm_scale, 1.0, 1.0,
+            q,
+            batch.k_buf,
+            batch.v_buf,
+            o,
+            batch.kv_indptr,
+            batch.kv_indices,
+            logits,
+            lse,
+            num_splits,
+            splits,
+            batch.sm_scale,
+            1.0,
+            1.0,
         )
         return o
 
     return run
 
 
-def flashinfer_calls(batch: RaggedBatch, q_decode: Optional[torch.Tensor]) -> tuple[Optional[Callable], str]:
+def flashinfer_calls(batch: RaggedBatch, q_decode: torch.Tensor | None) -> tuple[Callable | None, str]:
     """FlashInfer's paged (page size 1) prefill or decode over the same pool, if importable."""
     try:
         import flashinfer
@@ -178,12 +210,32 @@ def flashinfer_calls(batch: RaggedBatch, q_decode: Optional[torch.Tensor]) -> tu
         heads_q, heads_kv, dim = batch.q.shape[1], batch.k_buf.shape[1], batch.q.shape[2]
         if q_decode is None:
             wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-            wrapper.plan(batch.qo_indptr.int(), kv_indptr, indices, last, heads_q, heads_kv, dim, 1,
-                         causal=True, q_data_type=batch.q.dtype, kv_data_type=batch.k_buf.dtype)
+            wrapper.plan(
+                batch.qo_indptr.int(),
+                kv_indptr,
+                indices,
+                last,
+                heads_q,
+                heads_kv,
+                dim,
+                1,
+                causal=True,
+                q_data_type=batch.q.dtype,
+                kv_data_type=batch.k_buf.dtype,
+            )
             return (lambda: wrapper.run(batch.q, paged, return_lse=True)), "ok"
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-        wrapper.plan(kv_indptr, indices, last, heads_q, heads_kv, dim, 1,
-                     q_data_type=q_decode.dtype, kv_data_type=batch.k_buf.dtype)
+        wrapper.plan(
+            kv_indptr,
+            indices,
+            last,
+            heads_q,
+            heads_kv,
+            dim,
+            1,
+            q_data_type=q_decode.dtype,
+            kv_data_type=batch.k_buf.dtype,
+        )
         return (lambda: wrapper.run(q_decode, paged)), "ok"
     except Exception as exc:  # FlashInfer is optional: record why it is missing
         return None, f"unavailable: {type(exc).__name__}: {str(exc)[:200]}"
@@ -194,23 +246,49 @@ def ours_extend(batch: RaggedBatch, with_stats: bool) -> Callable[[], tuple]:
     lse = torch.empty(batch.q.shape[:2], dtype=torch.float32, device=batch.q.device)
     max_q = max(batch.q_lens)
     return lambda: extend_attention_with_stats(
-        batch.q, batch.k_buf, batch.v_buf, batch.qo_indptr, batch.kv_indptr, batch.kv_indices,
-        batch.sm_scale, with_stats=with_stats, max_q_len=max_q, out=o, lse_out=lse, backend="triton",
+        batch.q,
+        batch.k_buf,
+        batch.v_buf,
+        batch.qo_indptr,
+        batch.kv_indptr,
+        batch.kv_indices,
+        batch.sm_scale,
+        with_stats=with_stats,
+        max_q_len=max_q,
+        out=o,
+        lse_out=lse,
+        backend="triton",
     )
 
 
 def bench_prefill(sizes: Sizes, device: str, reps: int, sglang_extend, report: dict) -> None:
     cuda = device == "cuda"
     for name, q_lens, kv_lens in sizes.prefill:
-        batch = make_ragged_batch(q_lens, kv_lens, sizes.num_kv_heads, sizes.group, sizes.head_dim,
-                                  sizes.dtype, device, seed=len(report["checks"]))
+        batch = make_ragged_batch(
+            q_lens,
+            kv_lens,
+            sizes.num_kv_heads,
+            sizes.group,
+            sizes.head_dim,
+            sizes.dtype,
+            device,
+            seed=len(report["checks"]),
+        )
         args = (batch.q, batch.k_buf, batch.v_buf, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.sm_scale)
         o, lse = ours_extend(batch, True)()
         o_ref, lse_ref = extend_attention_with_stats(*args, backend="torch")
         check(report, f"prefill {name}: output vs torch", rel_error(o, o_ref), OUT_REL[sizes.dtype])
         check(report, f"prefill {name}: LSE vs torch", rel_error(lse, lse_ref), STAT_REL)
-        win_args = (batch.q, batch.k_buf, lse, batch.qo_indptr, batch.kv_indptr, batch.kv_indices,
-                    sizes.window, batch.sm_scale)
+        win_args = (
+            batch.q,
+            batch.k_buf,
+            lse,
+            batch.qo_indptr,
+            batch.kv_indptr,
+            batch.kv_indices,
+            sizes.window,
+            batch.sm_scale,
+        )
         max_kv = max(kv_lens)
         scores = window_scores(*win_args, max_kv_len=max_kv, backend="triton")
         scores_ref = window_scores(*win_args, backend="torch")
@@ -242,8 +320,9 @@ def bench_decode(sizes: Sizes, device: str, reps: int, sglang_decode, report: di
     splits = sizes.num_kv_splits
     for name, bsz, kept in sizes.decode:
         kv_lens = [kept - 7 * (b % 3) for b in range(bsz)]  # ragged around the kept length
-        batch = make_ragged_batch([0] * bsz, kv_lens, sizes.num_kv_heads, sizes.group, sizes.head_dim,
-                                  sizes.dtype, device, seed=bsz)
+        batch = make_ragged_batch(
+            [0] * bsz, kv_lens, sizes.num_kv_heads, sizes.group, sizes.head_dim, sizes.dtype, device, seed=bsz
+        )
         q = decode_queries(batch)
         args = (q, batch.k_buf, batch.v_buf, batch.kv_indptr, batch.kv_indices)
         scores, scores_ref = (torch.zeros(batch.k_buf.shape[:2], device=device) for _ in range(2))
@@ -254,9 +333,11 @@ def bench_decode(sizes: Sizes, device: str, reps: int, sglang_decode, report: di
         out = torch.empty_like(q)
         row = {"case": name, "batch": bsz, "kept_len": kept, "num_kv_splits": splits}
         row["ours_with_scores_ms"] = timer(
-            lambda: decode_attention_with_scores(*args, scores, batch.sm_scale, num_kv_splits=splits,
-                                                 out=out, backend="triton"),
-            reps, cuda,
+            lambda: decode_attention_with_scores(
+                *args, scores, batch.sm_scale, num_kv_splits=splits, out=out, backend="triton"
+            ),
+            reps,
+            cuda,
         )
         if sglang_decode is not None:
             run = sglang_decode_call(sglang_decode, batch, q, splits)
@@ -283,11 +364,14 @@ def bench_decode(sizes: Sizes, device: str, reps: int, sglang_decode, report: di
         compact_kv(*bufs, src, dst, backend="triton")
         compact_kv(*ref, src, dst, backend="torch")
         check(report, f"compact {name}: bit-exact vs torch", float(not all(map(torch.equal, bufs, ref))), 0.0)
-        report["compact"].append({
-            "case": name, "entries": int(src.numel()),
-            "ours_ms": timer(lambda: compact_kv(*bufs, src, dst, backend="triton"), reps, cuda),
-            "torch_ms": timer(lambda: compact_kv(*bufs, src, dst, backend="torch"), reps, cuda),
-        })
+        report["compact"].append(
+            {
+                "case": name,
+                "entries": int(src.numel()),
+                "ours_ms": timer(lambda: compact_kv(*bufs, src, dst, backend="triton"), reps, cuda),
+                "torch_ms": timer(lambda: compact_kv(*bufs, src, dst, backend="torch"), reps, cuda),
+            }
+        )
 
 
 def check(report: dict, name: str, error: float, bound: float) -> None:
@@ -296,12 +380,20 @@ def check(report: dict, name: str, error: float, bound: float) -> None:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# Kernel benchmark: {report['gpu']}", "", f"- date: {report['date']}",
-             f"- torch {report['torch']}, triton {report['triton']}, SGLang kernels: {report['sglang']}",
-             f"- timings meaningful: {report['timings_meaningful']}", ""]
+    lines = [
+        f"# Kernel benchmark: {report['gpu']}",
+        "",
+        f"- date: {report['date']}",
+        f"- torch {report['torch']}, triton {report['triton']}, SGLang kernels: {report['sglang']}",
+        f"- timings meaningful: {report['timings_meaningful']}",
+        "",
+    ]
     failed = [c["check"] for c in report["checks"] if not c["ok"]]
-    lines += [f"Correctness: {len(report['checks']) - len(failed)}/{len(report['checks'])} checks passed"
-              + (f"; FAILED: {', '.join(failed)}" if failed else ""), ""]
+    lines += [
+        f"Correctness: {len(report['checks']) - len(failed)}/{len(report['checks'])} checks passed"
+        + (f"; FAILED: {', '.join(failed)}" if failed else ""),
+        "",
+    ]
     for section in ("prefill", "decode", "compact"):
         rows = report[section]
         if not rows:
@@ -316,7 +408,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="small sizes (default without CUDA)")
     parser.add_argument("--dry-run", action="store_true", help="small sizes, one timing rep")
@@ -336,14 +428,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     sglang_extend, sglang_decode, sglang_status = load_sglang()
     now = dt.datetime.now()
     report = {
-        "gpu": gpu, "date": now.isoformat(timespec="seconds"), "host": platform.node(),
-        "torch": torch.__version__, "triton": triton.__version__, "sglang": sglang_status,
-        "sizes": "small" if small else "full", "reps": reps, "timings_meaningful": cuda,
-        "checks": [], "prefill": [], "decode": [], "compact": [],
+        "gpu": gpu,
+        "date": now.isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "sglang": sglang_status,
+        "sizes": "small" if small else "full",
+        "reps": reps,
+        "timings_meaningful": cuda,
+        "checks": [],
+        "prefill": [],
+        "decode": [],
+        "compact": [],
     }
     sizes = SMALL_SIZES if small else GPU_SIZES
-    report["shape"] = {"num_kv_heads": sizes.num_kv_heads, "group": sizes.group, "head_dim": sizes.head_dim,
-                       "dtype": str(sizes.dtype), "window": sizes.window}
+    report["shape"] = {
+        "num_kv_heads": sizes.num_kv_heads,
+        "group": sizes.group,
+        "head_dim": sizes.head_dim,
+        "dtype": str(sizes.dtype),
+        "window": sizes.window,
+    }
     bench_prefill(sizes, device, reps, sglang_extend, report)
     bench_decode(sizes, device, reps, sglang_decode, report)
 

@@ -34,7 +34,6 @@ from common.report import (
     write_markdown,
     write_plot,
 )
-from common.server import ServerProcess, ServerStartError, peak_running_requests
 from common.systems import (
     STOCK,
     args_for_report,
@@ -45,6 +44,8 @@ from common.systems import (
     shared_server_args,
 )
 from serving_profiles import PROFILES, Profile, Variant
+
+from kvsparse_testbed.server import ServerProcess, ServerStartError, peak_running_requests
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -57,11 +58,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", required=True, choices=sorted(PROFILES))
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--dry-run", action="store_true",
-                        help="run the profile at tiny sizes on the CPU (checks the script)")
-    parser.add_argument("--project-flags", metavar="FLAGS",
-                        help="replace the profile's project variants with one, using these "
-                             "--kvsparse-* flags (quoted, e.g. \"--kvsparse-preset default\")")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="run the profile at tiny sizes on the CPU (checks the script)"
+    )
+    parser.add_argument(
+        "--project-flags",
+        metavar="FLAGS",
+        help="replace the profile's project variants with one, using these "
+        '--kvsparse-* flags (quoted, e.g. "--kvsparse-preset default")',
+    )
     return parser.parse_args(argv)
 
 
@@ -75,20 +80,32 @@ def resolve_profile(args: argparse.Namespace) -> Profile:
     return profile
 
 
-def measure(server: ServerProcess, profile: Profile, concurrency: int, log_dir: Path,
-            dense_bytes_per_request: int) -> dict[str, Any]:
+def measure(
+    server: ServerProcess, profile: Profile, concurrency: int, log_dir: Path, dense_bytes_per_request: int
+) -> dict[str, Any]:
     """One client run at one concurrency, as a report row."""
-    workload = Workload(profile.input_len, profile.output_len, profile.num_prompts(concurrency),
-                        concurrency, profile.seed, profile.shared_prefix)
-    say(f"[{server.name}] concurrency {concurrency}: {workload.num_prompts} prompts of "
-        f"{profile.prompt_len} in / {workload.output_len} out")
+    workload = Workload(
+        profile.input_len,
+        profile.output_len,
+        profile.num_prompts(concurrency),
+        concurrency,
+        profile.seed,
+        profile.shared_prefix,
+    )
+    say(
+        f"[{server.name}] concurrency {concurrency}: {workload.num_prompts} prompts of "
+        f"{profile.prompt_len} in / {workload.output_len} out"
+    )
     bookmark = server.log_size()
     load_before = os.getloadavg()[0]
     with KvStatsPoller(server.base_url) as poller:
-        result = run_client(server.base_url, workload,
-                            result_file=log_dir / f"client-{server.name}.jsonl",
-                            log_path=log_dir / f"client-{server.name}-c{concurrency}.log",
-                            timeout_s=profile.client_timeout_s)
+        result = run_client(
+            server.base_url,
+            workload,
+            result_file=log_dir / f"client-{server.name}.jsonl",
+            log_path=log_dir / f"client-{server.name}-c{concurrency}.log",
+            timeout_s=profile.client_timeout_s,
+        )
     kv_bytes, kv_source = poller.bytes_per_request(dense_bytes_per_request)
     return {
         "concurrency": concurrency,
@@ -110,26 +127,33 @@ def measure(server: ServerProcess, profile: Profile, concurrency: int, log_dir: 
     }
 
 
-def run_system(name: str, flags: tuple[str, ...], shared: list[str], profile: Profile,
-               log_dir: Path, dense_bytes_per_request: int) -> dict[str, Any]:
+def run_system(
+    name: str, flags: tuple[str, ...], shared: list[str], profile: Profile, log_dir: Path, dense_bytes_per_request: int
+) -> dict[str, Any]:
     """Start one system, sweep the concurrencies, stop it; errors are recorded, not raised."""
-    system: dict[str, Any] = {"name": name, "launcher": launcher_of(name), "flags": list(flags),
-                              "startup_s": None, "error": None, "runs": []}
+    system: dict[str, Any] = {
+        "name": name,
+        "launcher": launcher_of(name),
+        "flags": list(flags),
+        "startup_s": None,
+        "error": None,
+        "runs": [],
+    }
     server = server_for(name, flags, shared, profile.server_settings(), log_dir, say)
     try:
         with server:
             system["startup_s"] = server.startup_s
             for concurrency in profile.concurrencies:
-                system["runs"].append(
-                    measure(server, profile, concurrency, log_dir, dense_bytes_per_request))
+                system["runs"].append(measure(server, profile, concurrency, log_dir, dense_bytes_per_request))
     except (ServerStartError, ClientError) as exc:
         say(f"[{name}] failed: {exc}")
         system["error"] = str(exc).splitlines()[0]
     return system
 
 
-def build_report(profile: Profile, date: str, model_dir: Path, shared: list[str],
-                 bytes_per_token: int, systems: list[dict[str, Any]]) -> dict[str, Any]:
+def build_report(
+    profile: Profile, date: str, model_dir: Path, shared: list[str], bytes_per_token: int, systems: list[dict[str, Any]]
+) -> dict[str, Any]:
     return {
         "profile": profile.name,
         "date": date,
@@ -177,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     shared = shared_server_args(settings, model_dir, load_args)
     bytes_per_token = kv_bytes_per_token(model_dir, profile.dtype)
     dense_per_request = (profile.prompt_len + profile.output_len) * bytes_per_token
-    say(f"profile {profile.name}: {len(profile.variants) + 1} systems × "
-        f"{len(profile.concurrencies)} concurrencies; logs in {log_dir}")
+    say(
+        f"profile {profile.name}: {len(profile.variants) + 1} systems × "
+        f"{len(profile.concurrencies)} concurrencies; logs in {log_dir}"
+    )
 
     systems: list[dict[str, Any]] = []
     for name, flags in [(STOCK, ()), *((v.name, v.flags) for v in profile.variants)]:

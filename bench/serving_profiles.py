@@ -74,16 +74,23 @@ class Profile:
         return self.input_len + (self.shared_prefix.question_len if self.shared_prefix else 0)
 
     def server_settings(self) -> ServerSettings:
-        return ServerSettings(self.model, self.device, self.dtype, self.max_total_tokens,
-                              self.mem_fraction_static, self.decode_log_interval,
-                              self.startup_timeout_s, self.shape)
+        return ServerSettings(
+            self.model,
+            self.device,
+            self.dtype,
+            self.max_total_tokens,
+            self.mem_fraction_static,
+            self.decode_log_interval,
+            self.startup_timeout_s,
+            self.shape,
+        )
 
     def num_prompts(self, concurrency: int) -> int:
         if self.shared_prefix is not None:
             return self.shared_prefix.num_prompts
         return max(self.min_prompts, self.prompts_per_slot * concurrency)
 
-    def dry_run(self) -> "Profile":
+    def dry_run(self) -> Profile:
         """The same profile at tiny sizes on this CPU: checks the script end to end in minutes.
 
         A dummy-weights model keeps its architecture and vocabulary but gets the small shape of
@@ -92,8 +99,7 @@ class Profile:
         return dataclasses.replace(
             self,
             name=f"{self.name}-dry-run",
-            description=f"CPU dry run of `{self.name}` at tiny sizes (timings mean nothing). "
-            + self.description,
+            description=f"CPU dry run of `{self.name}` at tiny sizes (timings mean nothing). " + self.description,
             device="cpu",
             dtype="float32",
             input_len=200,
@@ -170,8 +176,10 @@ PROFILES: dict[str, Profile] = {
             input_len=3000,
             output_len=64,
             concurrencies=(4, 8),
-            variants=(Variant("default", PROJECT_DEFAULT),
-                      Variant("default-no-prefix-reuse", (*PROJECT_DEFAULT, *NO_PREFIX_REUSE))),
+            variants=(
+                Variant("default", PROJECT_DEFAULT),
+                Variant("default-no-prefix-reuse", (*PROJECT_DEFAULT, *NO_PREFIX_REUSE)),
+            ),
             max_total_tokens=24576,
             shared_prefix=SharedPrefix(groups=4, prompts_per_group=4, question_len=100),
         ),

@@ -10,7 +10,7 @@ CPU path of the server never needs the Triton interpreter; tests force ``backend
 from __future__ import annotations
 
 import os
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 
@@ -48,7 +48,7 @@ def upcast_dots(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and interpreting()
 
 
-def dot_precision(dtype: torch.dtype) -> Optional[str]:
+def dot_precision(dtype: torch.dtype) -> str | None:
     """fp32 inputs get IEEE dots so GPU results match the references (TF32 would cost ~1e-3);
     other dtypes keep the backend default (None), the only setting every backend accepts."""
     return "ieee" if dtype == torch.float32 else None

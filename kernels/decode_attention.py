@@ -14,7 +14,6 @@ request and one split, so the score updates are plain read-add-write without ato
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
@@ -149,13 +148,13 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _decode_finalize_kernel(
-    O,
+    Out,
     SCORES,
     MID_O,
     MID_LSE,
     LOGITS,
     kv_indptr,
-    kv_indices,
+    score_indices,
     stride_ob,
     stride_oh,
     stride_st,
@@ -184,10 +183,12 @@ def _decode_finalize_kernel(
     head = kv_head * GROUP + offs_h
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    o_ptr = O + req * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
+    o_ptr = Out + req * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
     if kv_len == 0:  # nothing to attend to: defined as a zero output
         if split == 0:
-            tl.store(o_ptr, tl.zeros([BLOCK_H, BLOCK_D], dtype=O.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+            tl.store(
+                o_ptr, tl.zeros([BLOCK_H, BLOCK_D], dtype=Out.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :]
+            )
         return
 
     offs_s = tl.arange(0, BLOCK_S)
@@ -211,7 +212,7 @@ def _decode_finalize_kernel(
                 other=0.0,
             )
             acc += tl.exp2(s_lse - lse)[:, None] * s_o
-        tl.store(o_ptr, acc.to(O.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+        tl.store(o_ptr, acc.to(Out.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
 
     chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
@@ -226,7 +227,7 @@ def _decode_finalize_kernel(
             other=float("-inf"),
         )
         prob = tl.sum(tl.exp2(logits - lse[:, None]), 0)
-        slot = tl.load(kv_indices + kv_start + n, mask=n_ok, other=0).to(tl.int64)
+        slot = tl.load(score_indices + kv_start + n, mask=n_ok, other=0).to(tl.int64)
         ptr = SCORES + slot * stride_st + kv_head * stride_sh
         tl.store(ptr, tl.load(ptr, mask=n_ok, other=0.0) + prob, mask=n_ok)
 
@@ -240,9 +241,10 @@ def decode_attention_with_scores_triton(
     score_buf: torch.Tensor,
     sm_scale: float,
     *,
+    score_indices: torch.Tensor | None = None,
     num_kv_splits: int = 8,
-    out: Optional[torch.Tensor] = None,
-    config: Optional[DecodeConfig] = None,
+    out: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Triton implementation; see :func:`decode_attention_with_scores` for the contract."""
     if num_kv_splits < 1:
@@ -261,10 +263,26 @@ def decode_attention_with_scores_triton(
     block_d = triton.next_power_of_2(head_dim)
     block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16 on NVIDIA
     _decode_partial_kernel[grid](
-        q, k_buf, v_buf, mid_o, mid_lse, logits, kv_indptr, kv_indices,
+        q,
+        k_buf,
+        v_buf,
+        mid_o,
+        mid_lse,
+        logits,
+        kv_indptr,
+        kv_indices,
         sm_scale * LOG2E,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
         logits.stride(0),
         GROUP=group,
         NUM_SPLITS=num_kv_splits,
@@ -278,9 +296,22 @@ def decode_attention_with_scores_triton(
         num_stages=cfg.num_stages,
     )
     _decode_finalize_kernel[grid](
-        o, score_buf, mid_o, mid_lse, logits, kv_indptr, kv_indices,
-        o.stride(0), o.stride(1), score_buf.stride(0), score_buf.stride(1),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        o,
+        score_buf,
+        mid_o,
+        mid_lse,
+        logits,
+        kv_indptr,
+        kv_indices if score_indices is None else score_indices,
+        o.stride(0),
+        o.stride(1),
+        score_buf.stride(0),
+        score_buf.stride(1),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
         logits.stride(0),
         GROUP=group,
         NUM_SPLITS=num_kv_splits,
@@ -303,9 +334,10 @@ def decode_attention_with_scores_torch(
     score_buf: torch.Tensor,
     sm_scale: float,
     *,
+    score_indices: torch.Tensor | None = None,
     num_kv_splits: int = 8,
-    out: Optional[torch.Tensor] = None,
-    config: Optional[DecodeConfig] = None,
+    out: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference, one request at a time, in at least float32.
 
@@ -317,6 +349,7 @@ def decode_attention_with_scores_torch(
     o = torch.empty_like(q) if out is None else out
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     kv = kv_indptr.tolist()
+    score_indices = kv_indices if score_indices is None else score_indices
     for b in range(q.shape[0]):
         slots = kv_indices[kv[b] : kv[b + 1]].long()
         if slots.numel() == 0:  # nothing to attend to: defined as a zero output
@@ -328,7 +361,8 @@ def decode_attention_with_scores_torch(
         logits = torch.einsum("hgd,nhd->hgn", qb, k) * sm_scale
         probs = torch.softmax(logits, dim=-1)
         o[b] = torch.einsum("hgn,nhd->hgd", probs, v).flatten(0, 1).to(o.dtype)
-        score_buf.index_add_(0, slots, probs.sum(dim=1).T.to(score_buf.dtype))
+        score_slots = score_indices[kv[b] : kv[b + 1]].long()
+        score_buf.index_add_(0, score_slots, probs.sum(dim=1).T.to(score_buf.dtype))
     return o
 
 
@@ -341,9 +375,10 @@ def decode_attention_with_scores(
     score_buf: torch.Tensor,
     sm_scale: float,
     *,
+    score_indices: torch.Tensor | None = None,
     num_kv_splits: int = 8,
-    out: Optional[torch.Tensor] = None,
-    config: Optional[DecodeConfig] = None,
+    out: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """One decode step of attention that also adds each key's probability into ``score_buf``.
@@ -353,8 +388,11 @@ def decode_attention_with_scores(
         k_buf, v_buf: [num_slots, H_kv, D] pool buffers of one layer.
         kv_indptr: int32 [B+1]; kv_indices: int32/int64 slots of each request's keys (no mask:
             every listed key is visible). Each slot must appear at most once in the batch.
-        score_buf: [num_slots, H_kv] float32, updated in place: score_buf[slot, h] += sum over the
-            G query heads of KV head h of softmax(q.k * sm_scale)[key].
+        score_buf: [num_score_slots, H_kv] float32, updated in place: score_buf[s, h] += sum over
+            the G query heads of KV head h of softmax(q.k * sm_scale)[key], where s is the key's
+            entry in `score_indices` (aligned with kv_indices; default: kv_indices itself). Each
+            score slot must appear at most once in the batch, except slots whose scores are never
+            read (their sums are then undefined).
         sm_scale: logit scale; num_kv_splits: key chunks per request (split-K parallelism).
         out: optional [B, H_q, D] output; config: Triton tiles; backend: as usual.
 
@@ -367,6 +405,15 @@ def decode_attention_with_scores(
         else decode_attention_with_scores_torch
     )
     return impl(
-        q, k_buf, v_buf, kv_indptr, kv_indices, score_buf, sm_scale,
-        num_kv_splits=num_kv_splits, out=out, config=config,
+        q,
+        k_buf,
+        v_buf,
+        kv_indptr,
+        kv_indices,
+        score_buf,
+        sm_scale,
+        score_indices=score_indices,
+        num_kv_splits=num_kv_splits,
+        out=out,
+        config=config,
     )

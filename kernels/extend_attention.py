@@ -11,7 +11,6 @@ tokens into one tile, so K/V are loaded once per group rather than once per quer
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
@@ -118,7 +117,7 @@ def _extend_fwd_kernel(
     Q,
     K,
     V,
-    O,
+    Out,
     LSE,
     qo_indptr,
     kv_indptr,
@@ -184,22 +183,62 @@ def _extend_fwd_kernel(
     full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, K, V, kv_indices, kv_start, kv_len, n0, kv_head, pos, qk_scale,
-            stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, d_ok,
-            MASKED=False, UPCAST=UPCAST, PRECISION=PRECISION,
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            kv_indices,
+            kv_start,
+            kv_len,
+            n0,
+            kv_head,
+            pos,
+            qk_scale,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            offs_n,
+            offs_d,
+            d_ok,
+            MASKED=False,
+            UPCAST=UPCAST,
+            PRECISION=PRECISION,
         )
     for n0 in range(full_end, last_pos + 1, BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, K, V, kv_indices, kv_start, kv_len, n0, kv_head, pos, qk_scale,
-            stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, d_ok,
-            MASKED=True, UPCAST=UPCAST, PRECISION=PRECISION,
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            kv_indices,
+            kv_start,
+            kv_len,
+            n0,
+            kv_head,
+            pos,
+            qk_scale,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            offs_n,
+            offs_d,
+            d_ok,
+            MASKED=True,
+            UPCAST=UPCAST,
+            PRECISION=PRECISION,
         )
 
     l_safe = tl.where(row_ok, l_i, 1.0)
     out = acc / l_safe[:, None]
     tl.store(
-        O + row_t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-        out.to(O.dtype.element_ty),
+        Out + row_t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
         mask=row_ok[:, None] & d_ok[None, :],
     )
     if STORE_LSE:
@@ -208,8 +247,8 @@ def _extend_fwd_kernel(
 
 
 def _outputs(
-    q: torch.Tensor, with_stats: bool, out: Optional[torch.Tensor], lse_out: Optional[torch.Tensor]
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    q: torch.Tensor, with_stats: bool, out: torch.Tensor | None, lse_out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Caller-provided buffers (the server's, or NaN-poisoned ones in tests) or fresh ones."""
     o = torch.empty_like(q) if out is None else out
     if not with_stats:
@@ -228,11 +267,11 @@ def extend_attention_with_stats_triton(
     sm_scale: float,
     *,
     with_stats: bool = True,
-    max_q_len: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
-    lse_out: Optional[torch.Tensor] = None,
-    config: Optional[ExtendConfig] = None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    max_q_len: int | None = None,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    config: ExtendConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton implementation; see :func:`extend_attention_with_stats` for the contract."""
     group = check_group(q.shape[1], k_buf.shape[1])
     head_dim = q.shape[2]
@@ -248,11 +287,25 @@ def extend_attention_with_stats_triton(
     grid = (batch, k_buf.shape[1], triton.cdiv(max_q_len, cfg.block_rows // group))
     lse_arg = lse if lse is not None else o  # never written when STORE_LSE is False
     _extend_fwd_kernel[grid](
-        q, k_buf, v_buf, o, lse_arg, qo_indptr, kv_indptr, kv_indices,
+        q,
+        k_buf,
+        v_buf,
+        o,
+        lse_arg,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
         sm_scale * LOG2E,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
-        v_buf.stride(0), v_buf.stride(1), o.stride(0), o.stride(1),
-        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        o.stride(0),
+        o.stride(1),
+        lse.stride(0) if lse is not None else 0,
+        lse.stride(1) if lse is not None else 0,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
@@ -277,11 +330,11 @@ def extend_attention_with_stats_torch(
     sm_scale: float,
     *,
     with_stats: bool = True,
-    max_q_len: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
-    lse_out: Optional[torch.Tensor] = None,
-    config: Optional[ExtendConfig] = None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    max_q_len: int | None = None,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    config: ExtendConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Plain-torch reference, one request at a time, computed in at least float32; on the CPU
     through PyTorch's flash attention (`_cpu_flash_attention`), elsewhere from the score matrix.
 
@@ -335,7 +388,11 @@ def _cpu_flash_attention(
     kh = k.repeat_interleave(group, dim=1).transpose(0, 1)[None]
     vh = v.repeat_interleave(group, dim=1).transpose(0, 1)[None]
     square = visible.shape[0] == visible.shape[1]
-    mask = None if square else torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
+    mask = (
+        None
+        if square
+        else torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
+    )
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         qh, kh, vh, 0.0, square, attn_mask=mask, scale=sm_scale
     )
@@ -352,12 +409,12 @@ def extend_attention_with_stats(
     sm_scale: float,
     *,
     with_stats: bool = True,
-    max_q_len: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
-    lse_out: Optional[torch.Tensor] = None,
-    config: Optional[ExtendConfig] = None,
+    max_q_len: int | None = None,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    config: ExtendConfig | None = None,
     backend: Backend = "auto",
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention of a ragged batch of new query tokens over their requests' pooled keys.
 
     Args:
@@ -382,6 +439,16 @@ def extend_attention_with_stats(
         else extend_attention_with_stats_torch
     )
     return impl(
-        q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, sm_scale,
-        with_stats=with_stats, max_q_len=max_q_len, out=out, lse_out=lse_out, config=config,
+        q,
+        k_buf,
+        v_buf,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        sm_scale,
+        with_stats=with_stats,
+        max_q_len=max_q_len,
+        out=out,
+        lse_out=lse_out,
+        config=config,
     )

@@ -6,8 +6,8 @@ Slots are a random permutation of a pool larger than the batch, so a kernel that
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -11,7 +11,6 @@ queries are read, and query blocks that sit causally before the key block are sk
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import triton
@@ -130,16 +129,11 @@ def _window_scores_kernel(
     tl.store(S + (kv_start + offs_n) * stride_st + kv_head * stride_sh, acc, mask=n_ok)
 
 
-
-def _scores_out(
-    kv_indices: torch.Tensor, num_kv_heads: int, out: Optional[torch.Tensor]
-) -> torch.Tensor:
+def _scores_out(kv_indices: torch.Tensor, num_kv_heads: int, out: torch.Tensor | None) -> torch.Tensor:
     """Caller-provided scores buffer (tests poison it) or a fresh one."""
     if out is not None:
         return out
-    return torch.empty(
-        (kv_indices.numel(), num_kv_heads), dtype=torch.float32, device=kv_indices.device
-    )
+    return torch.empty((kv_indices.numel(), num_kv_heads), dtype=torch.float32, device=kv_indices.device)
 
 
 def window_scores_triton(
@@ -152,9 +146,9 @@ def window_scores_triton(
     window: int,
     sm_scale: float,
     *,
-    max_kv_len: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
-    config: Optional[WindowScoreConfig] = None,
+    max_kv_len: int | None = None,
+    out: torch.Tensor | None = None,
+    config: WindowScoreConfig | None = None,
 ) -> torch.Tensor:
     """Triton implementation; see :func:`window_scores` for the contract."""
     if window < 1:
@@ -172,10 +166,23 @@ def window_scores_triton(
     head_dim = q.shape[2]
     grid = (batch, triton.cdiv(max_kv_len, cfg.block_n), k_buf.shape[1])
     _window_scores_kernel[grid](
-        q, k_buf, lse, scores, qo_indptr, kv_indptr, kv_indices, window,
+        q,
+        k_buf,
+        lse,
+        scores,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        window,
         sm_scale * LOG2E,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
-        lse.stride(0), lse.stride(1), scores.stride(0), scores.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        lse.stride(0),
+        lse.stride(1),
+        scores.stride(0),
+        scores.stride(1),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
@@ -199,9 +206,9 @@ def window_scores_torch(
     window: int,
     sm_scale: float,
     *,
-    max_kv_len: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
-    config: Optional[WindowScoreConfig] = None,
+    max_kv_len: int | None = None,
+    out: torch.Tensor | None = None,
+    config: WindowScoreConfig | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference, one request at a time, in at least float32.
 
@@ -241,9 +248,9 @@ def window_scores(
     window: int,
     sm_scale: float,
     *,
-    max_kv_len: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
-    config: Optional[WindowScoreConfig] = None,
+    max_kv_len: int | None = None,
+    out: torch.Tensor | None = None,
+    config: WindowScoreConfig | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Score every key of every request by the attention its observation window paid to it.
@@ -262,6 +269,15 @@ def window_scores(
     """
     impl = window_scores_triton if use_triton(backend, q, k_buf, lse, kv_indices) else window_scores_torch
     return impl(
-        q, k_buf, lse, qo_indptr, kv_indptr, kv_indices, window, sm_scale,
-        max_kv_len=max_kv_len, out=out, config=config,
+        q,
+        k_buf,
+        lse,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        window,
+        sm_scale,
+        max_kv_len=max_kv_len,
+        out=out,
+        config=config,
     )

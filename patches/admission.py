@@ -9,6 +9,9 @@ the request's sparse rows while SGLang decides (`allocator.kvsparse_charge`); a 
 cached prefix pins the prefix's store blocks first (unpinned if SGLang refuses it). A request that
 would reuse much more of a prompt admitted in the same round waits for the next round
 (`AddReqResult.OTHER`: SGLang stops adding for this round without marking the batch full).
+
+AFTER `ReqToTokenPool.alloc` (`expect_rows`): when SGLang gives admitted requests their rows, the
+state learns how long each may grow, so that only requests that will evict get score rows.
 """
 
 from __future__ import annotations
@@ -25,14 +28,24 @@ from . import context
 _ROUND = "_kvsparse_admission"
 
 
-def final_len(req: Any, context_len: int) -> int:
-    """The length SGLang plans a request for: its tokens so far plus its remaining (clipped)
-    max_new_tokens, within the context."""
+def final_len(req: Any, context_len: int, clip: int = CLIP_MAX_NEW_TOKENS) -> int:
+    """The length a request may reach: its tokens so far plus its remaining max_new_tokens
+    (clipped at `clip`, as SGLang's admission plans), within the context."""
     held = len(req.origin_input_ids) + len(req.output_ids)
     max_new = req.sampling_params.max_new_tokens
     if max_new is None:
         return context_len
-    return min(held + min(max(max_new - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS), context_len)
+    return min(held + min(max(max_new - len(req.output_ids), 0), clip), context_len)
+
+
+def expect_rows(result: Any, pool: Any, reqs: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook: requests got their rows; tell the state the most each may grow to (unclipped:
+    a request that might evict must keep scores)."""
+    if result is None:
+        return
+    state = context.state()
+    context_len = state.resolved.context_len
+    state.expect([r.kv.req_pool_idx for r in reqs], [final_len(r, context_len, clip=context_len) for r in reqs])
 
 
 def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from sglang_kvsparse.layout import HeapLayout, round_up
+from sglang_kvsparse.layout import round_up
 from sglang_kvsparse.sparse_state import SparseState
 
 
@@ -55,7 +55,6 @@ def heap_allocator_class(base: type) -> type:
     class KVSparseHeapAllocator(base):
         kvsparse_state: SparseState
         kvsparse_rows: RawHeapRows
-        kvsparse_layout: HeapLayout
         #: Sparse rows of the request `patches/admission.py` is admitting now (0 otherwise).
         kvsparse_charge: int = 0
 
@@ -101,23 +100,23 @@ def heap_allocator_class(base: type) -> type:
 
         def max_new_tokens_for_memory(self, input_tokens: int, max_new_tokens: int, *, token_capacity: int, **kwargs):
             rows = token_capacity - self.page_size - 1
-            if self.kvsparse_layout.rows_held(input_tokens, self.page_size) > rows:
+            layout = self.kvsparse_state.layout
+            if layout.rows_held(input_tokens) > rows:
                 return None
-            longest = self.kvsparse_layout.longest_fitting(rows, self.page_size)
+            longest = layout.longest_fitting(rows)
             return max(0, min(max_new_tokens, longest - round_up(input_tokens, self.page_size)))
 
     KVSparseHeapAllocator.__qualname__ = KVSparseHeapAllocator.__name__ = f"KVSparseHeap{base.__name__}"
     return KVSparseHeapAllocator
 
 
-def make_heap(allocator: Any, layout: HeapLayout) -> RawHeapRows:
+def make_heap(allocator: Any) -> RawHeapRows:
     """Turn SGLang's allocator into the heap's (in place: the scheduler already holds it) and
     return raw access to its rows; `attach` completes it once the state exists."""
     base = type(allocator)
     allocator.__class__ = heap_allocator_class(base)
     rows = RawHeapRows(allocator, base)
     allocator.kvsparse_rows = rows
-    allocator.kvsparse_layout = layout
     return rows
 
 

@@ -1,7 +1,7 @@
 """The attention backend of a sparse server (SGLang 0.5.23 attention registry).
 
-The stock backend names stay (SGLang keys scheduler helpers on them); `install` re-registers `torch_native` and `triton` with factories
-that wrap the stock backend in `KVSparseBackend` when the runner carries a `SparseState`. Full
+The stock backend names stay (SGLang keys scheduler helpers on them); `install` re-registers
+`torch_native` and `triton` with factories that wrap the stock backend in `KVSparseBackend`. Full
 layers go to the stock backend unchanged; sparse layers read and write their own rows of the
 heap's lanes (`SparseState.lanes`) through `sglang_kvsparse.sparse_attention`. The forward's plan
 is built once per step in `init_forward_metadata` (`sglang_kvsparse.planning`); after the last
@@ -10,7 +10,8 @@ sparse layer has been issued, the state releases what the step's evictions and p
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from sglang.srt.layers.attention import attention_registry
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -79,8 +80,13 @@ class KVSparseBackend(AttentionBackend):
             table = self.req_to_token_pool.req_to_token
             prefix_ids = [table[row, :n] for row, n in zip(rows, prefix_lens)]
             self._plan = plan_extend(
-                self.state, rows, prefix_lens, list(forward_batch.extend_seq_lens_cpu), prefix_ids,
-                forward_batch.out_cache_loc, device,
+                self.state,
+                rows,
+                prefix_lens,
+                list(forward_batch.extend_seq_lens_cpu),
+                prefix_ids,
+                forward_batch.out_cache_loc,
+                device,
             )
         else:
             raise NotImplementedError(f"kvsparse: forward mode {mode} is not supported with sparse layers")

@@ -19,6 +19,8 @@ POOL_CLASS = f"{_CONFIGURATOR}._resolve_kv_pool_class"
 ALLOC_MEMORY_POOL = "sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool"
 #: AROUND: admission charges the sparse entries and pins a hit's prefix (`admission.admit`).
 ADD_ONE_REQ = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
+#: AFTER: requests given their rows tell the state how long they may grow (`admission.expect_rows`).
+REQ_ROWS = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc"
 #: AROUND: a radix match is cut to what the prefix store can serve (`prefix.cap_match`).
 MATCH_KV_CACHE = "sglang.srt.mem_cache.common.match_kv_cache"
 #: AFTER: the scheduler's internal state carries the sparse stats (`observability.add_stats`).
@@ -29,7 +31,16 @@ INTERNAL_STATE = (
 LOG_STATS = "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector.log_stats"
 
 #: Every target, in the order `plugin.load` registers them.
-ALL: tuple[str, ...] = (SIZE_POOLS, POOL_CLASS, ALLOC_MEMORY_POOL, ADD_ONE_REQ, MATCH_KV_CACHE, INTERNAL_STATE, LOG_STATS)
+ALL: tuple[str, ...] = (
+    SIZE_POOLS,
+    POOL_CLASS,
+    ALLOC_MEMORY_POOL,
+    ADD_ONE_REQ,
+    REQ_ROWS,
+    MATCH_KV_CACHE,
+    INTERNAL_STATE,
+    LOG_STATS,
+)
 
 
 def unpatched(targets: tuple[str, ...] = ALL) -> list[str]:

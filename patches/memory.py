@@ -25,9 +25,9 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.runtime_context import get_server_args
 
-from sglang_kvsparse.accounting import format_footprint_table, footprint_table, human_bytes, kv_bytes_per_token, score_bytes
+from sglang_kvsparse.accounting import footprint_table, format_footprint_table, human_bytes, kv_bytes_per_token
 from sglang_kvsparse.config import SparsityConfig
-from sglang_kvsparse.layout import HeapLayout, heap_rows
+from sglang_kvsparse.layout import HeapLayout, heap_rows, scores_per_row
 from sglang_kvsparse.sparse_state import LaneBuffers, SparseState
 
 from . import allocator, attention, context
@@ -45,13 +45,16 @@ def make_size_heap(config: SparsityConfig):
         check_guards()
         pool_config = original(configurator, *args, **kwargs)
         model = configurator.model_config
-        layout = HeapLayout.from_resolved(config.resolve(model.num_hidden_layers, model.context_len))
-        num_kv_heads = model.get_num_kv_heads(1)
-        bpt = kv_bytes_per_token(num_kv_heads, model.head_dim, configurator.kv_cache_dtype.itemsize)
-        page = configurator.page_size
+        dtype_bytes, page = configurator.kv_cache_dtype.itemsize, configurator.page_size
+        layout = HeapLayout.from_resolved(
+            config.resolve(model.num_hidden_layers, model.context_len),
+            scores_per_row(model.head_dim, dtype_bytes),
+            page,
+        )
+        bpt = kv_bytes_per_token(model.get_num_kv_heads(1), model.head_dim, dtype_bytes)
         total = pool_config.max_total_num_tokens * layout.num_layers * bpt
-        rows = heap_rows(total, layout.lanes, bpt, score_bytes(num_kv_heads), page)
-        check_heap(layout, rows, page)
+        rows = heap_rows(total, layout.lanes, bpt, page)
+        check_heap(layout, rows)
         return dataclasses.replace(pool_config, max_total_num_tokens=rows)
 
     return size_heap
@@ -122,11 +125,10 @@ def make_attach_state(config: SparsityConfig):
     def attach_state(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
         model = runner.model_config
         resolved = config.resolve(model.num_hidden_layers, model.context_len)
-        layout = HeapLayout.from_resolved(resolved)
         token_allocator = runner.token_to_kv_pool_allocator
         rows = token_allocator.size
-        lanes = lane_buffers(runner.token_to_kv_pool, layout, rows + runner.page_size, model)
-        heap = allocator.make_heap(token_allocator, layout)
+        lanes = lane_buffers(runner.token_to_kv_pool, resolved.full_layers, rows + runner.page_size)
+        heap = allocator.make_heap(token_allocator)
         state = SparseState(
             resolved,
             heap=heap,
@@ -138,34 +140,34 @@ def make_attach_state(config: SparsityConfig):
         allocator.attach(token_allocator, state)
         runner.req_to_token_pool.attach_aux_cache(state)
         context.install(state)
-        log_layout(config, layout, lanes[0], rows, runner.page_size, resolved.context_len)
+        log_layout(config, state.layout, lanes[0], rows, resolved.context_len)
 
     return attach_state
 
 
-def lane_buffers(pool: Any, layout: HeapLayout, buffer_rows: int, model: Any) -> list[LaneBuffers]:
-    """The heap's lanes: full layer i's K/V buffers in SGLang's pool are lane i (with no full
-    layer, one lane of our own), each with a float32 score per row and KV head beside it."""
-    if layout.full_layers:
-        kv = [(pool.get_key_buffer(layer), pool.get_value_buffer(layer)) for layer in layout.full_layers]
+def lane_buffers(pool: Any, full_layers: tuple[int, ...], buffer_rows: int) -> list[LaneBuffers]:
+    """The heap's lanes: the K/V buffers of the i-th full layer in SGLang's pool are lane i (with
+    no full layer, one lane of our own); their K bytes also hold the score rows' scores."""
+    if full_layers:
+        kv = [(pool.get_key_buffer(layer), pool.get_value_buffer(layer)) for layer in full_layers]
     else:
         k0 = pool.get_key_buffer(0)  # a stub: it has the shape and dtype
         shape = (buffer_rows, *k0.shape[1:])
-        kv = [(torch.zeros(shape, dtype=k0.dtype, device=k0.device), torch.zeros(shape, dtype=k0.dtype, device=k0.device))]
+        kv = [
+            (torch.zeros(shape, dtype=k0.dtype, device=k0.device), torch.zeros(shape, dtype=k0.dtype, device=k0.device))
+        ]
     for k, _ in kv:
         if k.shape[0] != buffer_rows:
-            raise KVSparseStartupError(f"kvsparse: a full layer's KV buffer has {k.shape[0]} rows, the heap {buffer_rows}")
-    return [
-        LaneBuffers(k, v, torch.zeros(buffer_rows, k.shape[1], dtype=torch.float32, device=k.device)) for k, v in kv
-    ]
+            raise KVSparseStartupError(
+                f"kvsparse: a full layer's KV buffer has {k.shape[0]} rows, the heap {buffer_rows}"
+            )
+    return [LaneBuffers.over(k, v) for k, v in kv]
 
 
-def log_layout(config: SparsityConfig, layout: HeapLayout, lane: LaneBuffers, rows: int, page: int, context_len: int) -> None:
-    num_kv_heads, head_dim = lane.k.shape[1], lane.k.shape[2]
-    bpt = kv_bytes_per_token(num_kv_heads, head_dim, lane.k.element_size())
-    scores = score_bytes(num_kv_heads)
-    heap_bytes = rows * layout.lanes * (bpt + scores)
-    table = format_footprint_table(footprint_table(layout, bpt, scores, context_len, page_size=page))
+def log_layout(config: SparsityConfig, layout: HeapLayout, lane: LaneBuffers, rows: int, context_len: int) -> None:
+    bpt = kv_bytes_per_token(lane.k.shape[1], lane.k.shape[2], lane.k.element_size())
+    heap_bytes = rows * layout.lanes * bpt
+    table = format_footprint_table(footprint_table(layout, bpt, context_len))
     print(
         f"[sglang-kvsparse] {config.describe()}\n"
         f"[sglang-kvsparse] KV heap: {rows} rows x {layout.lanes} lane(s), {human_bytes(heap_bytes)} "
@@ -177,10 +179,10 @@ def log_layout(config: SparsityConfig, layout: HeapLayout, lane: LaneBuffers, ro
     )
 
 
-def check_heap(layout: HeapLayout, rows: int, page: int) -> None:
+def check_heap(layout: HeapLayout, rows: int) -> None:
     """Refuse a KV budget in which no request can outgrow its budget."""
-    longest = max((group.max_entries for group in layout.groups), default=page)
-    need = layout.rows_held(longest, page) + page
+    longest = max((group.max_entries for group in layout.groups), default=0) + 1
+    need = layout.rows_held(longest) + layout.page_size
     if rows < need:
         raise KVSparseStartupError(
             f"kvsparse: the KV heap has {rows} rows, fewer than one {longest}-token request's {need}: "

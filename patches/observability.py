@@ -60,6 +60,7 @@ def set_gauges(result: Any, collector: Any, *args: Any, **kwargs: Any) -> None:
 
     labels = dict(collector.labels)
     if not _gauges:
+
         def gauge(name: str, doc: str, extra: list[str]) -> Any:
             return Gauge(f"sglang_kvsparse:{name}", doc, labelnames=[*labels, *extra], multiprocess_mode="mostrecent")
 

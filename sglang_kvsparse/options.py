@@ -54,8 +54,7 @@ def sparsity_from_args(args: argparse.Namespace) -> SparsityConfig:
     """Build the configuration from parsed options (preset < JSON < short flags)."""
     nothing_given = all(
         getattr(args, name) is None
-        for name in ("kvsparse_config", "kvsparse_preset", "kvsparse_full_layers",
-                     "kvsparse_budget", "kvsparse_window")
+        for name in ("kvsparse_config", "kvsparse_preset", "kvsparse_full_layers", "kvsparse_budget", "kvsparse_window")
     )
     preset = LAUNCHER_DEFAULT_PRESET if nothing_given else args.kvsparse_preset
     return parse_config(

@@ -24,11 +24,13 @@ from sglang_kvsparse.sparse_state import SparseGroup, SparseState
 class ColumnPlan:
     """Kernel inputs of one sparse column (its layers read the same rows, each in its own lane).
 
-    `kv_indptr`/`kv_indices`: each request's rows in position order. `new_slots`: where the
-    forward's kept tokens go (decode: one per request; prefill: the requests' rows, request-major).
+    `kv_indptr`/`kv_indices`: each request's rows in position order, `score_indices` their score
+    slots (the lane's score view). `new_slots`/`new_score_slots`: where the forward's kept tokens
+    go (decode: one per request; prefill: the requests' rows, request-major).
     `budget` and `compress` (some prefill request is longer than the budget) tell the prefill
     whether to select. `evict_slots` (decode): [N, max_entries] old rows, in position order, of the
-    N requests that evict this step; the forward keeps `budget` of them in the first `budget` rows.
+    N requests that evict this step, `evict_score_slots` their score slots; the forward keeps
+    `budget` of them in the first `budget` rows.
     Prefill with the prefix store: `prefix_slots` (the matched prefixes' store rows, request-major,
     aligned with `ForwardPlan.prefix_positions`) and `store_slots` (where the batch's first
     `len(store_slots)` new tokens are stored for later hits).
@@ -36,10 +38,13 @@ class ColumnPlan:
 
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
+    score_indices: torch.Tensor
     new_slots: torch.Tensor
+    new_score_slots: torch.Tensor
     budget: int = 0
     compress: bool = False
     evict_slots: torch.Tensor | None = None
+    evict_score_slots: torch.Tensor | None = None
     prefix_slots: torch.Tensor | None = None
     store_slots: torch.Tensor | None = None
 
@@ -101,21 +106,31 @@ def plan_extend(
     for group in state.groups:
         kept = seq_lens.clamp(max=group.spec.budget)
         if not torch.equal(group.table.lengths[index], kept):
-            raise HeapError(f"sparse rows hold {group.table.lengths[index].tolist()} entries for a prefill keeping {kept.tolist()}")
-        indptr, indices = _indices(group, index, device)
+            raise HeapError(
+                f"sparse rows hold {group.table.lengths[index].tolist()} entries for a prefill keeping {kept.tolist()}"
+            )
+        indptr, indices, scores = _indices(state, group, index, device)
         compress = bool((seq_lens > group.spec.budget).any())
         plans = []
         for c in range(group.columns):
             column = group.first_column + c
             plans.append(
                 ColumnPlan(
-                    indptr, indices[c], indices[c], group.spec.budget, compress,
+                    indptr,
+                    indices[c],
+                    scores[c],
+                    indices[c],
+                    scores[c],
+                    group.spec.budget,
+                    compress,
                     prefix_slots=None if prefix_rows is None else prefix_rows[column].to(device),
                     store_slots=None if store_rows is None else store_rows[column].to(device),
                 )
             )
         columns.append(tuple(plans))
-    plan = ForwardPlan(_indptr(torch.tensor(extend_lens), device), tuple(columns), state.config.sink, state.config.window)
+    plan = ForwardPlan(
+        _indptr(torch.tensor(extend_lens), device), tuple(columns), state.config.sink, state.config.window
+    )
     if not any(prefix_lens):
         return plan
     starts = _indptr(seq_lens, "cpu")[:-1].tolist()
@@ -137,17 +152,34 @@ def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | 
     listed = set(index.tolist())
     columns = []
     for group in state.groups:
-        indptr, indices = _indices(group, index, device)
+        indptr, indices, scores = _indices(state, group, index, device)
         newest = group.table.last_entries(index).T.to(device)  # [columns, B]
-        evicting = [group.evictions.pop(row) for row in index.tolist() if row in group.evictions]
+        newest_scores = state.score_slots(group, index, group.table.lengths[index] - 1).T.to(device)
+        rows = [row for row in index.tolist() if row in group.evictions]
+        evicting = [group.evictions.pop(row) for row in rows]
         if group.evictions:
             stray = sorted(group.evictions)
             raise HeapError(f"rows {stray} evicted but are not in this decode batch ({sorted(listed)})")
-        old = torch.stack(evicting).permute(2, 0, 1).to(device) if evicting else None  # [columns, N, n_old]
+        old = old_scores = None
+        if evicting:
+            old = torch.stack(evicting).permute(2, 0, 1).to(device)  # [columns, N, n_old]
+            n_old = old.shape[2]
+            positions = torch.arange(n_old).repeat(len(rows))
+            slots = state.score_slots(group, torch.tensor(rows).repeat_interleave(n_old), positions)
+            old_scores = slots.T.reshape(group.columns, len(rows), n_old).to(device)
         state.counters.evictions += len(evicting)
         columns.append(
             tuple(
-                ColumnPlan(indptr, indices[c], newest[c], group.spec.budget, evict_slots=None if old is None else old[c])
+                ColumnPlan(
+                    indptr,
+                    indices[c],
+                    scores[c],
+                    newest[c],
+                    newest_scores[c],
+                    group.spec.budget,
+                    evict_slots=None if old is None else old[c],
+                    evict_score_slots=None if old_scores is None else old_scores[c],
+                )
                 for c in range(group.columns)
             )
         )
@@ -170,13 +202,18 @@ def _use_store(
     return prefix_rows.T, stored.T
 
 
-def _indices(group: SparseGroup, index: torch.Tensor, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indptr [B+1], rows [columns, total]) of the requests' entries, request-major."""
+def _indices(
+    state: SparseState, group: SparseGroup, index: torch.Tensor, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(indptr [B+1], rows [columns, total], score slots [columns, total]) of the requests'
+    entries, request-major."""
     lengths = group.table.lengths[index]
     width = int(lengths.max()) if lengths.numel() else 0
     mask = torch.arange(width)[None, :] < lengths[:, None]
     entries = group.table.table[index, :width][mask]  # [total, columns]
-    return _indptr(lengths, device), entries.T.contiguous().to(device)
+    positions = torch.arange(width).expand(len(index), width)[mask]
+    scores = state.score_slots(group, index.repeat_interleave(lengths), positions)
+    return _indptr(lengths, device), entries.T.contiguous().to(device), scores.T.contiguous().to(device)
 
 
 def _indptr(lengths: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -84,9 +84,7 @@ def check_model_path(model_path: str) -> None:
         if not (path / "config.json").is_file():
             raise LaunchError(f"--model-path {model_path}: no config.json in that folder")
         return
-    looks_like_hub_id = (
-        model_path.count("/") == 1 and not model_path.startswith((".", "/", "~"))
-    )
+    looks_like_hub_id = model_path.count("/") == 1 and not model_path.startswith((".", "/", "~"))
     if not looks_like_hub_id:
         raise LaunchError(f"--model-path {model_path}: no such model folder")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from sglang_kvsparse import kernels
-from sglang_kvsparse.policies import PrefillScoringInputs, ScoringPolicy
 from sglang_kvsparse.planning import ColumnPlan, ForwardPlan
+from sglang_kvsparse.policies import PrefillScoringInputs, ScoringPolicy
 from sglang_kvsparse.sparse_state import LaneBuffers
 
 
@@ -46,6 +46,7 @@ def sparse_extend(
         _store(buffers, column.store_slots, k[:stored], v[:stored])
     if not column.compress:
         _store(buffers, column.new_slots, k_all, v_all)
+        buffers.scores[column.new_score_slots] = 0.0
         return o
     inputs = PrefillScoringInputs(q, k_all, lse, plan.qo_indptr, kv_indptr, positions, sm_scale, plan.window)
     scores = policy.score(inputs)
@@ -55,7 +56,7 @@ def sparse_extend(
     dst = column.new_slots[:, None]
     buffers.k[dst, heads] = k_all[src, heads].to(buffers.k.dtype)
     buffers.v[dst, heads] = v_all[src, heads].to(buffers.v.dtype)
-    buffers.scores[dst, heads] = scores[src, heads]
+    buffers.scores[column.new_score_slots[:, None], heads] = scores[src, heads]
     return o
 
 
@@ -106,30 +107,50 @@ def sparse_decode(
     again by the same step's allocation is read (as an old entry) before it is overwritten.
     """
     if column.evict_slots is not None:
-        evict(buffers, column.evict_slots, column.budget, plan.sink, plan.window)
+        evict(buffers, column.evict_slots, column.evict_score_slots, column.budget, plan.sink, plan.window)
     _store(buffers, column.new_slots, k, v)
+    buffers.scores[column.new_score_slots] = 0.0
     return kernels.decode_attention_with_scores(
-        q, buffers.k, buffers.v, column.kv_indptr, column.kv_indices, buffers.scores, sm_scale
+        q,
+        buffers.k,
+        buffers.v,
+        column.kv_indptr,
+        column.kv_indices,
+        buffers.scores,
+        sm_scale,
+        score_indices=column.score_indices,
     )
 
 
-def evict(buffers: LaneBuffers, old_slots: torch.Tensor, budget: int, sink: int, window: int) -> None:
+def evict(
+    buffers: LaneBuffers, old_slots: torch.Tensor, old_score_slots: torch.Tensor, budget: int, sink: int, window: int
+) -> None:
     """Keep, per row and KV head, the first `sink`, the last `window` and the best-scored rest
-    of the row's old entries (`old_slots` [N, n_old], position order), up to `budget`, moved in
-    position order into the row's first `budget` slots (K, V and scores, in place)."""
+    of the row's old entries (`old_slots` [N, n_old], position order; their scores at
+    `old_score_slots`), up to `budget`, moved in position order into the row's first `budget`
+    entries (K, V and scores, in place)."""
     rows, n_old = old_slots.shape
-    old = old_slots.long()
+    old, old_scores = old_slots.long(), old_score_slots.long()
     indptr = torch.arange(rows + 1, device=old.device, dtype=torch.int64) * n_old
-    scores = buffers.scores[old.reshape(-1)]
+    scores = buffers.scores[old_scores.reshape(-1)]
     kept, _ = kernels.select_kept(scores, indptr, budget, sink, window)  # [N, H_kv, budget]
     heads = kept.shape[1]
-    src = torch.gather(old[:, None, :].expand(rows, heads, n_old), 2, kept)
+
+    def sources(slots: torch.Tensor) -> torch.Tensor:
+        return torch.gather(slots[:, None, :].expand(rows, heads, n_old), 2, kept).transpose(1, 2).reshape(-1, heads)
+
     kernels.compact_kv(
-        buffers.k, buffers.v, buffers.scores, src.transpose(1, 2).reshape(-1, heads), old[:, :budget].reshape(-1)
+        buffers.k,
+        buffers.v,
+        buffers.scores,
+        sources(old),
+        old[:, :budget].reshape(-1),
+        score_src=sources(old_scores),
+        score_dst=old_scores[:, :budget].reshape(-1),
     )
 
 
 def _store(buffers: LaneBuffers, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """K/V of new entries (their scores are the caller's: they live in slots of their own)."""
     buffers.k[slots] = k.to(buffers.k.dtype)
     buffers.v[slots] = v.to(buffers.v.dtype)
-    buffers.scores[slots] = 0.0

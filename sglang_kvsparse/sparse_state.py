@@ -15,6 +15,12 @@ kept positions before it writes the new token (`planning.plan_decode` hands the 
 The evicted pages go back to the heap only once that forward has been issued (`finish_forward`),
 so no other owner can write into a row the eviction still reads.
 
+Scores: a request that will outgrow a group's `max_entries` (its final length, prompt + max new
+tokens, is told by `expect` when SGLang gives it a row) gets the group's score rows at prefill;
+entry j of column c keeps its scores at score slot `score_rows[j // per_row] * per_row +
+j % per_row` of the lane's score view (the K bytes of those rows as float32). A request that
+never evicts gets none: its score writes go to scratch slots in the padding row, never read.
+
 Memory pressure, in one order for every owner: free rows, then the prefix store's least recently
 used blocks, then SGLang's radix tree (`_make_room`). Admission (`admission.py`) and SGLang's
 decode check (`patches/allocator.py`) ask this state what each request holds and needs, so the
@@ -29,21 +35,26 @@ import torch
 
 from sglang_kvsparse.config import ResolvedSparsity
 from sglang_kvsparse.contracts import HeapRows
-from sglang_kvsparse.layout import GroupSpec, HeapLayout, round_up
-from sglang_kvsparse.policies import build_policy
+from sglang_kvsparse.layout import GroupSpec, HeapLayout, round_up, scores_per_row
 from sglang_kvsparse.prefix_store import PrefixStore
 from sglang_kvsparse.row_table import HeapError, HeapExhausted, RowTable
 
 
 @dataclass(frozen=True)
 class LaneBuffers:
-    """One lane of the heap: a layer position's K/V in every row, and their float32 scores.
+    """One lane of the heap: a layer position's K/V in every row, and the float32 score view of
+    its K bytes (score slot s of row r: s in [r * per_row, (r + 1) * per_row)).
 
     With full layers, lane i *is* full layer i's buffer in SGLang's pool."""
 
     k: torch.Tensor  # [rows + page, H_kv, D]
     v: torch.Tensor
-    scores: torch.Tensor  # [rows + page, H_kv]
+    scores: torch.Tensor  # [(rows + page) * per_row, H_kv] float32, a view of k
+
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor) -> LaneBuffers:
+        """The lane of these K/V buffers, with the score view of `k`."""
+        return cls(k, v, k.view(torch.float32).view(-1, k.shape[1]))
 
 
 @dataclass
@@ -54,16 +65,14 @@ class SparseGroup:
     table: RowTable
     #: First global column index of the group (columns are numbered across groups).
     first_column: int
+    #: Request row -> heap rows of its scores, [columns, spec.score_rows] (0: none).
+    score_table: torch.Tensor
     #: Request row -> its entries before this step's eviction, [max_entries, columns].
     evictions: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def columns(self) -> int:
         return len(self.spec.columns)
-
-    def entries_to_hold(self, final_len: int) -> int:
-        """Most entries a request reaching `final_len` tokens ever holds here."""
-        return min(final_len, self.spec.max_entries)
 
 
 @dataclass
@@ -94,19 +103,21 @@ class SparseState:
         `prefix_cache`: keep prompt tokens' sparse K/V for radix-tree hits (SGLang's cache is on)."""
         self.resolved = resolved
         self.config = resolved.config
-        self.layout = HeapLayout.from_resolved(resolved)
+        self.page_size = heap.page_size
+        self.scores_per_row = scores_per_row(lanes[0].k.shape[2], lanes[0].k.element_size())
+        self.layout = HeapLayout.from_resolved(resolved, self.scores_per_row, self.page_size)
         if len(lanes) != self.layout.lanes:
             raise ValueError(f"{len(lanes)} lane buffers for a layout of {self.layout.lanes} lanes")
-        self.policy = build_policy(resolved.config)
+        self.policy = resolved.config.policy
         self.heap = heap
         self.lanes = lanes
-        self.page_size = heap.page_size
         self.dense_capacity = heap_rows
         self.groups: list[SparseGroup] = []
         first = 0
         for spec in self.layout.groups:
             table = RowTable(max_requests, spec.max_entries, len(spec.columns), self.page_size)
-            self.groups.append(SparseGroup(spec, table, first))
+            scores = torch.zeros(max_requests, len(spec.columns), spec.score_rows, dtype=torch.int64)
+            self.groups.append(SparseGroup(spec, table, first, scores))
             first += len(spec.columns)
         store_blocks = heap_rows // max(self.layout.num_columns * self.page_size, 1)
         self.store = (
@@ -116,6 +127,7 @@ class SparseState:
         )
         self.logical = torch.zeros(max_requests, dtype=torch.int64)  # each row's sequence length
         self.running = torch.zeros(max_requests, dtype=torch.bool)  # rows holding a request now
+        self.final_len = torch.zeros(max_requests, dtype=torch.int64)  # expected final length, 0: unknown
         self.counters = Counters()
         self._deferred: list[torch.Tensor] = []  # evicted rows to give back after the forward
 
@@ -145,10 +157,19 @@ class SparseState:
         """Release the row in every group (a row that never got any is a no-op)."""
         self.logical[row] = 0
         self.running[row] = False
+        self.final_len[row] = 0
         for group in self.groups:
             group.evictions.pop(row, None)
             if group.table.is_active(row):
                 self.heap.give(group.table.release(row))
+            if bool(group.score_table[row, 0, 0]):
+                self.heap.give(group.score_table[row].reshape(-1))
+                group.score_table[row] = 0
+
+    def expect(self, rows: list[int], final_lens: list[int]) -> None:
+        """The requests SGLang just gave these rows will reach at most these lengths (their
+        prompt and max new tokens): those that outgrow a group's budget get score rows there."""
+        self.final_len[torch.tensor(rows, dtype=torch.int64)] = torch.tensor(final_lens, dtype=torch.int64)
 
     def clear(self) -> None:
         """Release every row, the deferred evictions and the prefix store, giving rows back."""
@@ -164,8 +185,10 @@ class SparseState:
             for row in group.table.active_rows().tolist():
                 group.table.release(row)
             group.evictions.clear()
+            group.score_table.zero_()
         self.logical.zero_()
         self.running.zero_()
+        self.final_len.zero_()
         self._deferred.clear()
         if self.store is not None:
             self.store.clear()
@@ -198,17 +221,22 @@ class SparseState:
     # -- admission and SGLang's decode check ---------------------------------------------------
     def rows_to_hold(self, final_len: int) -> int:
         """Most heap rows a request reaching `final_len` tokens holds in the sparse columns."""
-        return sum(
-            group.columns * round_up(group.entries_to_hold(final_len), self.page_size) for group in self.groups
-        )
+        return sum(self.layout.sparse_rows(group.spec, final_len) for group in self.groups)
 
     def rows_held(self, row: int) -> int:
-        """Heap rows the request in `row` holds in the sparse columns now."""
+        """Heap rows the request in `row` holds in the sparse columns now (scores included)."""
         return sum(
-            group.columns * round_up(group.table.length(row), self.page_size)
+            group.columns * round_up(group.table.length(row), self.page_size) + int((group.score_table[row] > 0).sum())
             for group in self.groups
             if group.table.is_active(row)
         )
+
+    def score_slots(self, group: SparseGroup, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Score slots [n, columns] of entries at `positions` of request `rows` (both [n]): in the
+        request's score rows, or scratch slots in the padding row for a request that never evicts."""
+        per_row = self.scores_per_row
+        pages = group.score_table[rows, :, positions // per_row]  # [n, columns]
+        return pages * per_row + (positions % per_row)[:, None]
 
     def rows_for_next_decode(self, rows: list[int]) -> int:
         """Fresh heap rows the next decode step of `rows` takes in the sparse columns (the rows an
@@ -253,13 +281,23 @@ class SparseState:
         return torch.nonzero(self.running).flatten()
 
     def sparse_rows(self, group: SparseGroup) -> int:
-        """Heap rows the group's requests hold (pending evictions' rows included)."""
-        return group.table.rows_held()
+        """Heap rows the group's requests hold: entries (pending evictions' included) and scores."""
+        return group.table.rows_held() + self.score_rows(group)
+
+    def score_rows(self, group: SparseGroup) -> int:
+        return int((group.score_table > 0).sum())
 
     def deferred_rows(self) -> int:
         return sum(rows.numel() for rows in self._deferred)
 
     # -- internals -------------------------------------------------------------------------
+    def _scored(self, group: SparseGroup, rows: torch.Tensor) -> torch.Tensor:
+        """Which of these new rows will evict in the group (one of unknown final length may grow
+        to the context length)."""
+        final = self.final_len[rows]
+        final = torch.where(final == 0, self.resolved.context_len, final)
+        return final > group.spec.max_entries
+
     def _growth(
         self, group: SparseGroup, new_rows: torch.Tensor, new_lens: torch.Tensor, stepping: torch.Tensor
     ) -> tuple[int, torch.Tensor]:
@@ -268,6 +306,8 @@ class SparseState:
         if bool(table.active[new_rows].any()):
             raise HeapError("a new request row still holds sparse entries")
         pages = sum(table.pages_for(min(int(n), spec.budget)) for n in new_lens)
+        scored = int(self._scored(group, new_rows).sum())
+        pages += scored * group.columns * spec.score_rows // self.page_size
         if stepping.numel() and not bool(table.active[stepping].all()):
             raise HeapError("a decoding row holds no sparse entries")
         held = table.lengths[stepping]
@@ -289,11 +329,16 @@ class SparseState:
     ) -> None:
         table, spec = group.table, group.spec
         offset = 0
-        for row, n in zip(new_rows.tolist(), new_lens.tolist()):
+        scored = self._scored(group, new_rows).tolist()
+        for row, n, with_scores in zip(new_rows.tolist(), new_lens.tolist(), scored):
             kept = min(n, spec.budget)
             take = table.pages_for(kept) * self.page_size
             table.assign(row, kept, rows[offset : offset + take])
             offset += take
+            if with_scores:
+                take = group.columns * spec.score_rows
+                group.score_table[row] = rows[offset : offset + take].view(group.columns, spec.score_rows)
+                offset += take
         for row in evicting.tolist():
             group.evictions[row] = table.entries(row)
             self._deferred.append(table.shrink(row, spec.budget))

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_kvsparse.accounting import dense_kv_bytes, kv_bytes_per_token, row_bytes, score_bytes
+from sglang_kvsparse.accounting import dense_kv_bytes, kv_bytes_per_token, row_bytes
 from sglang_kvsparse.sparse_state import SparseState
 
 
@@ -35,7 +35,8 @@ class GroupStats:
     max_entries: int
     columns: int
     layers: list[int]
-    rows: int  # heap rows its requests hold
+    rows: int  # heap rows its requests hold (entries and scores)
+    score_rows: int  # of which score rows
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,9 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
     running = state.running_rows()
     full_running = int(((state.logical[running] + page - 1) // page).sum()) * page
     group_stats = [
-        GroupStats(g.spec.budget, g.spec.max_entries, g.columns, list(g.spec.layers), state.sparse_rows(g))
+        GroupStats(
+            g.spec.budget, g.spec.max_entries, g.columns, list(g.spec.layers), state.sparse_rows(g), state.score_rows(g)
+        )
         for g in state.groups
     ]
     sparse = sum(g.rows for g in group_stats)
@@ -107,11 +110,12 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
             layers.append(LayerStats(layer, "full", None, full_running, total))
         else:
             group = group_stats[slot.group]
-            layers.append(LayerStats(layer, "sparse", group.budget, group.rows // group.columns, total))
+            entries = (group.rows - group.score_rows) // group.columns
+            layers.append(LayerStats(layer, "sparse", group.budget, entries, total))
     lane = state.lanes[0]
     num_kv_heads, head_dim = lane.k.shape[1], lane.k.shape[2]
     bpt = kv_bytes_per_token(num_kv_heads, head_dim, lane.k.element_size())
-    unit = row_bytes(layout, bpt, score_bytes(num_kv_heads))
+    unit = row_bytes(layout, bpt)
     dense = sum(dense_kv_bytes(int(n), layout.num_layers, bpt, page) for n in state.logical[running])
     return SparseStats(
         config=state.config.to_dict(),

@@ -51,6 +51,8 @@ class Workload:
     shared_prefix: SharedPrefix | None = None
     #: Empty the radix cache after the warm-up request (off when clients share a server at once).
     flush_cache: bool = True
+    #: Lengths drawn uniformly from [range_ratio x length, length] (random-ids only).
+    range_ratio: float = 1.0
 
     def client_args(self) -> list[str]:
         """Arguments for ``sglang.benchmark.serving``.
@@ -60,49 +62,75 @@ class Workload:
         radix cache after the client's warm-up request, so the same prompts (same seed) at the
         next concurrency, or on the next system, are computed again rather than served from cache.
         """
-        common = ["--backend", "sglang", "--tokenize-prompt", "--num-prompts", str(self.num_prompts),
-                  "--max-concurrency", str(self.max_concurrency), "--seed", str(self.seed)]
+        common = [
+            "--backend",
+            "sglang",
+            "--tokenize-prompt",
+            "--num-prompts",
+            str(self.num_prompts),
+            "--max-concurrency",
+            str(self.max_concurrency),
+            "--seed",
+            str(self.seed),
+        ]
         if self.flush_cache:
             common.append("--flush-cache")
         prefix = self.shared_prefix
         if prefix is None:
             return [
                 *common,
-                "--dataset-name", "random-ids",
-                "--random-input-len", str(self.input_len),
-                "--random-output-len", str(self.output_len),
-                "--random-range-ratio", "1.0",
+                "--dataset-name",
+                "random-ids",
+                "--random-input-len",
+                str(self.input_len),
+                "--random-output-len",
+                str(self.output_len),
+                "--random-range-ratio",
+                str(self.range_ratio),
             ]
         return [
             *common,
-            "--dataset-name", "generated-shared-prefix",
-            "--gsp-num-groups", str(prefix.groups),
-            "--gsp-prompts-per-group", str(prefix.prompts_per_group),
-            "--gsp-system-prompt-len", str(self.input_len),
-            "--gsp-question-len", str(prefix.question_len),
-            "--gsp-output-len", str(self.output_len),
-            "--gsp-range-ratio", "1.0",
+            "--dataset-name",
+            "generated-shared-prefix",
+            "--gsp-num-groups",
+            str(prefix.groups),
+            "--gsp-prompts-per-group",
+            str(prefix.prompts_per_group),
+            "--gsp-system-prompt-len",
+            str(self.input_len),
+            "--gsp-question-len",
+            str(prefix.question_len),
+            "--gsp-output-len",
+            str(self.output_len),
+            "--gsp-range-ratio",
+            "1.0",
         ]
 
 
-def run_client(base_url: str, workload: Workload, result_file: Path, log_path: Path,
-               timeout_s: float) -> dict[str, Any]:
+def run_client(
+    base_url: str, workload: Workload, result_file: Path, log_path: Path, timeout_s: float
+) -> dict[str, Any]:
     """Run the client once, echo its output (progress bar included), return its JSON result.
 
     The client appends one JSON line per run to ``result_file``; we return the line it added.
     """
     before = _count_lines(result_file)
     command = [
-        sys.executable, "-m", "sglang.benchmark.serving",
-        "--base-url", base_url,
+        sys.executable,
+        "-m",
+        "sglang.benchmark.serving",
+        "--base-url",
+        base_url,
         *workload.client_args(),
-        "--output-file", str(result_file),
+        "--output-file",
+        str(result_file),
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
         timed_out = threading.Event()
 
         def kill_on_timeout() -> None:
@@ -155,7 +183,7 @@ class KvStatsPoller:
         self.max_bytes_per_request: float | None = None
         self.layer_slots_per_request: dict[str, float] = {}  # layer kind -> mean slots, at that max
 
-    def __enter__(self) -> "KvStatsPoller":
+    def __enter__(self) -> KvStatsPoller:
         self._thread.start()
         return self
 

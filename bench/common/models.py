@@ -67,9 +67,7 @@ def _write_placeholder_tokenizer(dest: Path, config: dict) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab_size = config["vocab_size"]
-    tokenizer = Tokenizer(
-        models.WordLevel({f"<t{i}>": i for i in range(vocab_size)}, unk_token="<t0>")
-    )
+    tokenizer = Tokenizer(models.WordLevel({f"<t{i}>": i for i in range(vocab_size)}, unk_token="<t0>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(dest / "tokenizer.json"))
     eos = config.get("eos_token_id")

@@ -7,9 +7,10 @@ value that was not measured is shown as "—" (never a placeholder number).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 #: Metrics compared between systems: (key in a run row, column title).
 METRICS: tuple[tuple[str, str], ...] = (
@@ -89,8 +90,7 @@ def markdown(report: dict[str, Any]) -> str:
         report["description"],
         "",
         f"- Machine: {report['machine']}",
-        f"- Model: {settings['model']} ({settings['dtype']}, "
-        f"{settings['kv_bytes_per_token']:,} dense KV bytes/token)",
+        f"- Model: {settings['model']} ({settings['dtype']}, {settings['kv_bytes_per_token']:,} dense KV bytes/token)",
         f"- Workload: {_workload(settings)}, SGLang's `sglang.benchmark.serving`",
         f"- Server arguments (both systems): `{' '.join(settings['server_args'])}`",
         "",
@@ -101,17 +101,18 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for system in report["systems"]:
         for run in system["runs"]:
-            cells = [_fmt(run.get(key), 0 if key == "kv_bytes_per_request" else 1)
-                     for key, _ in METRICS]
+            cells = [_fmt(run.get(key), 0 if key == "kv_bytes_per_request" else 1) for key, _ in METRICS]
             load = " → ".join(f"{value:.1f}" for value in run["load_avg"])
-            lines.append(f"| {system['name']} | {run['concurrency']} | "
-                         f"{run['completed']}/{run['num_prompts']} | " + " | ".join(cells)
-                         + f" | {run['kv_bytes_source']} | {load} |")
+            lines.append(
+                f"| {system['name']} | {run['concurrency']} | "
+                f"{run['completed']}/{run['num_prompts']} | "
+                + " | ".join(cells)
+                + f" | {run['kv_bytes_source']} | {load} |"
+            )
     lines += ["", "Systems:", ""]
     for system in report["systems"]:
         flags = " ".join(system["flags"]) or "(none)"
-        started = (f"started in {system['startup_s']:.0f} s"
-                   if system.get("startup_s") is not None else "did not start")
+        started = f"started in {system['startup_s']:.0f} s" if system.get("startup_s") is not None else "did not start"
         lines.append(f"- **{system['name']}**: `{system['launcher']}` {flags} — {started}")
         if system.get("error"):
             lines.append(f"  - error: {system['error']}")
@@ -126,10 +127,16 @@ def markdown(report: dict[str, Any]) -> str:
             "|---|---:|" + "---:|" * len(METRICS),
         ]
         for row in ratios:
-            lines.append(f"| {row['system']} | {row['concurrency']} | "
-                         + " | ".join(_fmt(row[key], 3) for key, _ in METRICS) + " |")
-    lines += ["", "Load avg: the machine's 1-minute load average at the start and end of each "
-              "level; above its core count, other work competed with the benchmark."]
+            lines.append(
+                f"| {row['system']} | {row['concurrency']} | "
+                + " | ".join(_fmt(row[key], 3) for key, _ in METRICS)
+                + " |"
+            )
+    lines += [
+        "",
+        "Load avg: the machine's 1-minute load average at the start and end of each "
+        "level; above its core count, other work competed with the benchmark.",
+    ]
     if report.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
@@ -138,12 +145,16 @@ def markdown(report: dict[str, Any]) -> str:
 def _workload(settings: dict[str, Any]) -> str:
     prefix = settings.get("shared_prefix")
     if prefix is None:
-        return (f"{settings['input_len']:,} input / {settings['output_len']:,} output tokens "
-                f"(random token ids, seed {settings['seed']})")
-    return (f"{prefix['groups']} groups × {prefix['prompts_per_group']} prompts, each a shared "
-            f"{settings['input_len']:,}-token system prompt and a {prefix['question_len']:,}-token "
-            f"question, {settings['output_len']:,} output tokens (random token ids, seed "
-            f"{settings['seed']}, generated-shared-prefix)")
+        return (
+            f"{settings['input_len']:,} input / {settings['output_len']:,} output tokens "
+            f"(random token ids, seed {settings['seed']})"
+        )
+    return (
+        f"{prefix['groups']} groups × {prefix['prompts_per_group']} prompts, each a shared "
+        f"{settings['input_len']:,}-token system prompt and a {prefix['question_len']:,}-token "
+        f"question, {settings['output_len']:,} output tokens (random token ids, seed "
+        f"{settings['seed']}, generated-shared-prefix)"
+    )
 
 
 def write_markdown(paths: ReportPaths, report: dict[str, Any]) -> None:
@@ -164,8 +175,7 @@ def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
             continue
         conc = [run["concurrency"] for run in runs]
         left.plot(conc, [run["output_tok_s"] for run in runs], marker="o", label=system["name"])
-        right.plot(conc, [run["ttft_median_ms"] / 1000 for run in runs], marker="o",
-                   label=system["name"])
+        right.plot(conc, [run["ttft_median_ms"] / 1000 for run in runs], marker="o", label=system["name"])
     left.set(xlabel="max concurrency", ylabel="output tokens/s", title="Throughput")
     right.set(xlabel="max concurrency", ylabel="TTFT median (s)", title="Time to first token")
     levels = sorted({run["concurrency"] for system in report["systems"] for run in system["runs"]})

@@ -11,14 +11,14 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import psutil
 
 from common.models import default_model, prepare_dummy_model
-from common.server import ServerProcess, free_port
+from kvsparse_testbed.server import ServerProcess, free_port
 from sglang_kvsparse.options import CONFIG_ENV
 from sglang_kvsparse.serving_defaults import gpu_available
 
@@ -56,15 +56,21 @@ def prepare_model(settings: ServerSettings, work_dir: Path) -> tuple[Path, list[
     return folder, ["--load-format", "dummy"]
 
 
-def shared_server_args(settings: ServerSettings, model_dir: Path,
-                       load_args: list[str]) -> list[str]:
+def shared_server_args(settings: ServerSettings, model_dir: Path, load_args: list[str]) -> list[str]:
     """Arguments both systems get, so that they differ only in sparsity.
 
     ``--decode-log-interval`` sets how often the scheduler logs ``#running-req``; the peak of
     running requests is read from those lines.
     """
-    args = ["--model-path", str(model_dir), *load_args, "--dtype", settings.dtype,
-            "--decode-log-interval", str(settings.decode_log_interval)]
+    args = [
+        "--model-path",
+        str(model_dir),
+        *load_args,
+        "--dtype",
+        settings.dtype,
+        "--decode-log-interval",
+        str(settings.decode_log_interval),
+    ]
     if settings.max_total_tokens is not None:
         args += ["--max-total-tokens", str(settings.max_total_tokens)]
     if settings.mem_fraction_static is not None:
@@ -84,8 +90,14 @@ def launcher_of(name: str) -> str:
     return LAUNCHERS["stock" if name == STOCK else "project"][1]
 
 
-def server_for(name: str, flags: tuple[str, ...], shared: list[str], settings: ServerSettings,
-               log_dir: Path, progress: Callable[[str], None]) -> ServerProcess:
+def server_for(
+    name: str,
+    flags: tuple[str, ...],
+    shared: list[str],
+    settings: ServerSettings,
+    log_dir: Path,
+    progress: Callable[[str], None],
+) -> ServerProcess:
     """Stock SGLang (``name == STOCK``) or the project's launcher with ``flags``."""
     port = free_port()
     # The plugin is installed for every SGLang process; without its variable it does nothing.
@@ -94,11 +106,16 @@ def server_for(name: str, flags: tuple[str, ...], shared: list[str], settings: S
     if name == STOCK and not settings.on_gpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"  # the project's launcher sets it itself
     extra = [] if name == STOCK else list(flags)
-    command = [sys.executable, "-m", module, *shared,
-               "--host", "127.0.0.1", "--port", str(port), *extra]
-    return ServerProcess(name=name, command=command, env=env, port=port,
-                         log_path=log_dir / f"server-{name}.log",
-                         startup_timeout_s=settings.startup_timeout_s, progress=progress)
+    command = [sys.executable, "-m", module, *shared, "--host", "127.0.0.1", "--port", str(port), *extra]
+    return ServerProcess(
+        name=name,
+        command=command,
+        env=env,
+        port=port,
+        log_path=log_dir / f"server-{name}.log",
+        startup_timeout_s=settings.startup_timeout_s,
+        progress=progress,
+    )
 
 
 def machine() -> str:

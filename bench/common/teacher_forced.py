@@ -1,5 +1,5 @@
 """The language-model suite of bench/fidelity.py, client side: teacher-forced decoding of essay
-continuations through a server's `/generate` (see `sglang_kvsparse.continuations` for what is
+continuations through a server's `/generate` (see `kvsparse_testbed.continuations` for what is
 measured and why).
 
 The server must run with `--enable-custom-logit-processor`. Requests send token ids (no chat
@@ -16,15 +16,16 @@ from typing import Any
 
 import requests
 
-from sglang_kvsparse.continuations import ForcedScore, Passage, tokenized_essay_passages, total
-from sglang_kvsparse.patches.teacher_forcing import KEY, ForcedContinuation
+from kvsparse_testbed.continuations import ForcedScore, Passage, tokenized_essay_passages, total
+from kvsparse_testbed.teacher_forcing import KEY, ForcedContinuation
 
 #: Server flag the suite needs.
 SERVER_FLAGS = ("--enable-custom-logit-processor",)
 #: Requests in flight at once: the server batches their decode steps.
 CONCURRENCY = 4
-def build_passages(model_dir: Path, context_lens: Sequence[int], per_len: int,
-                   continuation_len: int) -> list[Passage]:
+
+
+def build_passages(model_dir: Path, context_lens: Sequence[int], per_len: int, continuation_len: int) -> list[Passage]:
     """Essay passages, tokenised with the served model's own tokenizer."""
     from transformers import AutoTokenizer
 
@@ -32,8 +33,9 @@ def build_passages(model_dir: Path, context_lens: Sequence[int], per_len: int,
     return tokenized_essay_passages(tokenizer, context_lens, per_len, continuation_len)
 
 
-def _generate(base_url: str, context: Sequence[int], max_new_tokens: int,
-              forced: Sequence[int] | None) -> dict[str, Any]:
+def _generate(
+    base_url: str, context: Sequence[int], max_new_tokens: int, forced: Sequence[int] | None
+) -> dict[str, Any]:
     sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
     body: dict[str, Any] = {"input_ids": list(context), "sampling_params": sampling}
     if forced is not None:
@@ -61,8 +63,9 @@ def forced_score(base_url: str, context: Sequence[int], forced: Sequence[int]) -
     return ForcedScore.of(records, forced)
 
 
-def run_lm_suite(base_url: str, passages: Sequence[Passage], references: dict[str, list[int]],
-                 progress: Callable[[str], None]) -> dict[str, dict[str, dict[str, float]]]:
+def run_lm_suite(
+    base_url: str, passages: Sequence[Passage], references: dict[str, list[int]], progress: Callable[[str], None]
+) -> dict[str, dict[str, dict[str, float]]]:
     """Per passage: the real continuation's score and, where `references` has the full cache's
     greedy continuation, the agreement with it. `references` is filled first when empty (the
     full-cache system builds it)."""

@@ -36,8 +36,15 @@ LOSSLESS_SPARSITY = ["--kvsparse-full-layers", "0,1", "--kvsparse-budget", "8192
 #: optimistic (`RETRACTING_ENV`) forces retractions.
 EVICTING_BUDGET = 256
 EVICTING_ARGS = [
-    "--dtype", "float32", "--max-total-tokens", "2600",
-    "--kvsparse-full-layers", "0,1", "--kvsparse-budget", str(EVICTING_BUDGET), "--enable-metrics",
+    "--dtype",
+    "float32",
+    "--max-total-tokens",
+    "2600",
+    "--kvsparse-full-layers",
+    "0,1",
+    "--kvsparse-budget",
+    str(EVICTING_BUDGET),
+    "--enable-metrics",
 ]
 RETRACTING_ENV = {"SGLANG_INIT_NEW_TOKEN_RATIO": "0.05"}
 

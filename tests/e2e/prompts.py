@@ -1,11 +1,11 @@
 """Prompts for output comparisons: short ones and one of well over 1,000 tokens."""
 
-from sglang_kvsparse.texts import essay_text
+from kvsparse_testbed.texts import essay_text
 
 SHORT_PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.\n",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
 ]
 
 

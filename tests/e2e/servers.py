@@ -1,15 +1,13 @@
-"""Start and stop SGLang servers for the end-to-end tests.
+"""The end-to-end tests' servers: the testbed's process manager (`kvsparse_testbed.server`, the
+benchmarks' too) with the requests the tests send.
 
-Each server runs in its own process group so that stopping it also stops the scheduler and
-detokenizer processes SGLang spawns (an orphaned scheduler keeps a core busy).
+Each server runs in its own process group, and stopping it reaches every process SGLang spawned
+(an orphaned scheduler keeps a core busy).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,13 +15,9 @@ from pathlib import Path
 
 import requests
 
+from kvsparse_testbed.server import ServerProcess, free_port
+
 PYTHON = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def server_env() -> dict[str, str]:
@@ -34,53 +28,29 @@ def server_env() -> dict[str, str]:
     return env
 
 
-class Server:
-    """One SGLang HTTP server process (project launcher or stock)."""
+class Server(ServerProcess):
+    """One SGLang HTTP server process (project launcher or stock), launched at construction;
+    `wait_ready` blocks until it serves."""
 
     def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str]):
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "w")
-        self.process = subprocess.Popen(
-            [*argv, "--port", str(self.port)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
+        port = free_port()
+        super().__init__(
+            name=name,
+            command=[*argv, "--port", str(port)],
             env=env,
-            start_new_session=True,
+            port=port,
+            log_path=log_dir / f"{name}.log",
+            startup_timeout_s=420,
+            progress=lambda _: None,
         )
+        self.launch()
 
-    def wait_ready(self, timeout_s: float = 420) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited early; log:\n{self.log()[-4000:]}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"{self.name} not healthy after {timeout_s}s; log:\n{self.log()[-4000:]}")
+    @property
+    def url(self) -> str:
+        return self.base_url
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        # Children that outlived the leader are still in its process group.
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._log.close()
 
     def stats(self) -> dict:
         """The project's `GET /kvsparse/stats`."""
@@ -101,10 +71,6 @@ class Server:
             for _ in range(chunks):
                 next(lines)
             return self.stats()
-
-    def flush_cache(self) -> None:
-        """Empty SGLang's radix cache (and with it the project's prefix store)."""
-        requests.post(f"{self.url}/flush_cache", timeout=120).raise_for_status()
 
     def idle_stats(self, timeout_s: float = 120) -> dict:
         """The stats once no request runs (or after `timeout_s`)."""

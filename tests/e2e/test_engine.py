@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e
 
 MAX_NEW_TOKENS = 16
 
-SCRIPT = """
+SCRIPT = f"""
 import json, sys
 import sglang_kvsparse
 
@@ -25,12 +25,12 @@ prompts = json.loads(sys.argv[1])
 engine = sglang_kvsparse.Engine(dtype="float32", max_total_tokens=8192)
 try:
     results = engine.generate(
-        prompt=prompts, sampling_params={"max_new_tokens": %d, "temperature": 0}
+        prompt=prompts, sampling_params={{"max_new_tokens": {MAX_NEW_TOKENS}, "temperature": 0}}
     )
     print("RESULT " + json.dumps([r["output_ids"] for r in results]))
 finally:
     engine.shutdown()
-""" % MAX_NEW_TOKENS
+"""
 
 
 def test_engine_matches_stock_server(stock_server):
@@ -43,7 +43,7 @@ def test_engine_matches_stock_server(stock_server):
     )
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, result.stderr[-4000:]
-    engine_ids = json.loads(lines[0][len("RESULT "):])
+    engine_ids = json.loads(lines[0][len("RESULT ") :])
     for prompt, ids in zip(SHORT_PROMPTS, engine_ids):
         assert ids == stock_server.generate(prompt, MAX_NEW_TOKENS)["output_ids"], prompt
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from sglang_kvsparse.texts import essay_text
+from kvsparse_testbed.texts import essay_text
 
 from .conftest import EVICTING_BUDGET
 from .prompts import SHORT_PROMPTS, long_prompt
@@ -102,5 +102,10 @@ def test_prometheus_gauges_sit_beside_sglangs(evicting_server):
     assert len(slots_total) == 30 and any('layer="29"' in line for line in slots_total)
     owners = [line for line in metrics.splitlines() if line.startswith("sglang_kvsparse:heap_rows{")]
     assert {line.split('owner="')[1].split('"')[0] for line in owners} == {
-        "free", "full_running", "full_cached", "sparse", "prefix_store", "evicting"
+        "free",
+        "full_running",
+        "full_cached",
+        "sparse",
+        "prefix_store",
+        "evicting",
     }

@@ -16,7 +16,5 @@ def test_frontend_program(project_server):
     backend = sgl.RuntimeEndpoint(project_server.url)
     state = capital_quiz.run(country="France", backend=backend)
     assert "Paris" in state["answer"]
-    states = capital_quiz.run_batch(
-        [{"country": "France"}, {"country": "Italy"}], backend=backend
-    )
+    states = capital_quiz.run_batch([{"country": "France"}, {"country": "Italy"}], backend=backend)
     assert "Rome" in states[1]["answer"]

@@ -15,8 +15,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def _chat(server, stream: bool) -> requests.Response:
     return requests.post(
         f"{server.url}/v1/chat/completions",
-        json={"model": "default", "messages": QUESTION, "max_tokens": 24, "temperature": 0,
-              "stream": stream},
+        json={"model": "default", "messages": QUESTION, "max_tokens": 24, "temperature": 0, "stream": stream},
         stream=stream,
         timeout=300,
     )
@@ -39,7 +38,7 @@ def test_chat_completion_streams_the_same_answer(project_server):
     for line in response.iter_lines(decode_unicode=True):
         if not line or not line.startswith("data: ") or line == "data: [DONE]":
             continue
-        delta = json.loads(line[len("data: "):])["choices"][0]["delta"]
+        delta = json.loads(line[len("data: ") :])["choices"][0]["delta"]
         pieces.append(delta.get("content") or "")
     assert len([p for p in pieces if p]) > 1, "expected the answer in several chunks"
     assert "".join(pieces) == expected
@@ -49,4 +48,3 @@ def test_generate_endpoint(project_server):
     body = project_server.generate("The capital of France is", max_new_tokens=8)
     assert "Paris" in body["text"]
     assert body["meta_info"]["completion_tokens"] == len(body["output_ids"]) > 0
-

@@ -28,8 +28,14 @@ def dotted(cell: str) -> list[str]:
 
 def test_the_trace_covers_a_requests_life():
     steps = [row[0] for row in trace_rows()]
-    for step in ("admission", "prefix match", "forward metadata", "prefill and compression",
-                 "decode and eviction", "finish, abort, retraction"):
+    for step in (
+        "admission",
+        "prefix match",
+        "forward metadata",
+        "prefill and compression",
+        "decode and eviction",
+        "finish, abort, retraction",
+    ):
         assert step in steps, step
 
 

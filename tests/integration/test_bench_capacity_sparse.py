@@ -20,9 +20,11 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.e2e
 def test_sparse_server_runs_three_times_the_requests_of_stock(tmp_path: Path) -> None:
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "capacity.py"), "--profile", "sparse-4k",
-         "--out-dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1800,
+        [sys.executable, str(ROOT / "bench" / "capacity.py"), "--profile", "sparse-4k", "--out-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     [report_file] = tmp_path.glob("capacity-sparse-4k-*.json")

@@ -22,10 +22,28 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.e2e
 def test_fidelity_runs_one_prompt_through_two_servers(tmp_path: Path) -> None:
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "fidelity.py"), "--limit", "1", "--budgets", "256",
-         "--variants", "snapkv", "--lm-context-lens", "600", "--lm-passages", "1",
-         "--lm-continuation", "32", "--out-dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1200,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "fidelity.py"),
+            "--limit",
+            "1",
+            "--budgets",
+            "256",
+            "--variants",
+            "snapkv",
+            "--lm-context-lens",
+            "600",
+            "--lm-passages",
+            "1",
+            "--lm-continuation",
+            "32",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     [report_file] = tmp_path.glob("fidelity-*.json")

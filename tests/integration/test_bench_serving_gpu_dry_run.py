@@ -12,34 +12,34 @@ minutes: three server starts.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from kvsparse_testbed.server import processes_marked_under
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _bench_server_module() -> ModuleType:
-    """bench/common/server.py, loaded by path: bench/ is a folder of scripts, not a package."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_common_server", ROOT / "bench" / "common" / "server.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.e2e
 def test_gpu_profile_dry_run_reports_every_system(tmp_path: Path) -> None:
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "serving.py"), "--profile", "gpu-novita",
-         "--dry-run", "--out-dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1200,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "serving.py"),
+            "--profile",
+            "gpu-novita",
+            "--dry-run",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
 
@@ -56,11 +56,12 @@ def test_gpu_profile_dry_run_reports_every_system(tmp_path: Path) -> None:
             assert row["ttft_median_ms"] > 0
             assert row["peak_running"] >= 1
     assert {(r["system"], r["concurrency"]) for r in report["ratios"]} == {
-        (name, c) for name in ("project-b1536", "project-b1024") for c in (1, 2)}
+        (name, c) for name in ("project-b1536", "project-b1024") for c in (1, 2)
+    }
 
     markdown = report_file.with_suffix(".md").read_text()
     assert "| stock | 1 |" in markdown and "| project-b1024 | 2 |" in markdown
     assert report_file.with_suffix(".png").stat().st_size > 0
 
     # Every process of both servers carries a marker naming its log under tmp_path.
-    assert _bench_server_module().processes_marked_under(tmp_path) == []
+    assert processes_marked_under(tmp_path) == []

@@ -52,9 +52,7 @@ def test_standin_functions_raise_and_guarded_imports_fall_back():
 
 def test_stock_sglang_imports_its_cpu_path():
     """The modules that import sgl_kernel unguarded on the CPU path import with the stand-in."""
-    code = (
-        "import sglang.srt.mem_cache.allocation, sglang.kernels.ops.kvcache.cache_move; print('ok')"
-    )
+    code = "import sglang.srt.mem_cache.allocation, sglang.kernels.ops.kvcache.cache_move; print('ok')"
     env = {"PATH": "/usr/bin:/bin", "SGLANG_USE_CPU_ENGINE": "1"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]

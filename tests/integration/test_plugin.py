@@ -1,5 +1,5 @@
 """The plugin entry point: registered with SGLang, a no-op unless sparsity is enabled."""
-# Enabled, it installs the wrapping attention factories and its seven hooks (the e2e tests show
+# Enabled, it installs the wrapping attention factories and its eight hooks (the e2e tests show
 # they serve); patches/memory.py refuses to start a scheduler where any is missing.
 
 from __future__ import annotations
@@ -49,4 +49,4 @@ def test_plugin_installs_the_sparse_backend_when_enabled():
     enabled = json.dumps({"enabled": True, "full_layers": [0, 1], "budget": 8192})
     result = _run({"SGLANG_KVSPARSE_CONFIG": enabled})
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "hooks 7" in result.stdout and "attention wrapped True" in result.stdout
+    assert "hooks 8" in result.stdout and "attention wrapped True" in result.stdout

@@ -13,7 +13,10 @@ def test_bench_dry_run_on_cpu(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", OPENBLAS_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--dry-run", "--out-dir", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "timings here mean nothing" in proc.stdout

@@ -25,8 +25,17 @@ def run_both(batch, q, num_kv_splits, config=None):
     for backend in ("triton", "torch"):
         score_buf = init.clone()
         o = decode_attention_with_scores(
-            q, batch.k_buf, batch.v_buf, batch.kv_indptr, batch.kv_indices, score_buf, batch.sm_scale,
-            num_kv_splits=num_kv_splits, out=torch.full_like(q, float("nan")), config=config, backend=backend,
+            q,
+            batch.k_buf,
+            batch.v_buf,
+            batch.kv_indptr,
+            batch.kv_indices,
+            score_buf,
+            batch.sm_scale,
+            num_kv_splits=num_kv_splits,
+            out=torch.full_like(q, float("nan")),
+            config=config,
+            backend=backend,
         )
         results.append((o, score_buf))
     return results
@@ -71,7 +80,44 @@ def test_decode_scores_add_one_per_query_head(device):
     q = decode_queries(batch)
     score_buf = torch.zeros(batch.k_buf.shape[:2], device=device)
     decode_attention_with_scores(
-        q, batch.k_buf, batch.v_buf, batch.kv_indptr, batch.kv_indices, score_buf, batch.sm_scale,
-        num_kv_splits=3, backend="triton",
+        q,
+        batch.k_buf,
+        batch.v_buf,
+        batch.kv_indptr,
+        batch.kv_indices,
+        score_buf,
+        batch.sm_scale,
+        num_kv_splits=3,
+        backend="triton",
     )
     assert abs(score_buf.sum().item() - len(KV_LENS) * 6) < 1e-4
+
+
+def test_decode_scores_go_to_their_own_slots(device):
+    """With `score_indices` the scores land in a slot space of their own (the heap's score rows):
+    the same sums as without, moved to the given slots, and nothing else touched."""
+    batch = make_ragged_batch([0] * len(KV_LENS), KV_LENS, 2, 3, 64, torch.float32, device, seed=4)
+    q = decode_queries(batch)
+    total = batch.kv_indices.numel()
+    perm = torch.randperm(3 * total, generator=torch.Generator().manual_seed(2))[:total].to(device)
+    plain = torch.zeros(batch.k_buf.shape[:2], device=device)
+    decode_attention_with_scores(
+        q, batch.k_buf, batch.v_buf, batch.kv_indptr, batch.kv_indices, plain, batch.sm_scale, backend="torch"
+    )
+    for backend in ("triton", "torch"):
+        moved = torch.zeros(3 * total, 2, device=device)
+        decode_attention_with_scores(
+            q,
+            batch.k_buf,
+            batch.v_buf,
+            batch.kv_indptr,
+            batch.kv_indices,
+            moved,
+            batch.sm_scale,
+            score_indices=perm,
+            backend=backend,
+        )
+        assert rel_error(moved[perm], plain[batch.kv_indices.long()]) <= SCORE_REL[torch.float32], backend
+        untouched = torch.ones(3 * total, dtype=torch.bool, device=device)
+        untouched[perm] = False
+        assert torch.count_nonzero(moved[untouched]) == 0

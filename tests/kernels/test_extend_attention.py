@@ -28,8 +28,17 @@ def run_both(batch, config=None, with_stats=True):
         lse_out = torch.full(batch.q.shape[:2], float("nan"), device=batch.q.device)
         results.append(
             extend_attention_with_stats(
-                batch.q, batch.k_buf, batch.v_buf, batch.qo_indptr, batch.kv_indptr, batch.kv_indices,
-                batch.sm_scale, with_stats=with_stats, out=out, lse_out=lse_out, config=config,
+                batch.q,
+                batch.k_buf,
+                batch.v_buf,
+                batch.qo_indptr,
+                batch.kv_indptr,
+                batch.kv_indices,
+                batch.sm_scale,
+                with_stats=with_stats,
+                out=out,
+                lse_out=lse_out,
+                config=config,
                 backend=backend,
             )
         )

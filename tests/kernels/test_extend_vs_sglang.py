@@ -36,10 +36,23 @@ def sglang_extend(batch):
     o = torch.full_like(batch.q, float("nan"))
     lse = torch.full(batch.q.shape[:2], float("nan"), device=batch.q.device)
     extend_mod.extend_attention_fwd(
-        batch.q, batch.k_buf[new_slots], batch.v_buf[new_slots], o, batch.k_buf, batch.v_buf,
-        batch.qo_indptr, indptr_from_lens([k - q for q, k in zip(batch.q_lens, batch.kv_lens)], batch.q.device),
-        torch.cat(prefix_idx), None, True, None, max(batch.q_lens), 1.0, 1.0,
-        sm_scale=batch.sm_scale, lse_extend=lse,
+        batch.q,
+        batch.k_buf[new_slots],
+        batch.v_buf[new_slots],
+        o,
+        batch.k_buf,
+        batch.v_buf,
+        batch.qo_indptr,
+        indptr_from_lens([k - q for q, k in zip(batch.q_lens, batch.kv_lens)], batch.q.device),
+        torch.cat(prefix_idx),
+        None,
+        True,
+        None,
+        max(batch.q_lens),
+        1.0,
+        1.0,
+        sm_scale=batch.sm_scale,
+        lse_extend=lse,
     )
     return o, lse
 
@@ -50,8 +63,15 @@ def test_extend_agrees_with_sglang(group, dtype, out_rel, device):
     batch = make_ragged_batch(Q_LENS, KV_LENS, 2, group, 64, dtype, device, seed=21)
     o_ref, lse_ref = sglang_extend(batch)
     o, lse = extend_attention_with_stats(
-        batch.q, batch.k_buf, batch.v_buf, batch.qo_indptr, batch.kv_indptr, batch.kv_indices,
-        batch.sm_scale, out=torch.full_like(batch.q, float("nan")), backend="triton",
+        batch.q,
+        batch.k_buf,
+        batch.v_buf,
+        batch.qo_indptr,
+        batch.kv_indptr,
+        batch.kv_indices,
+        batch.sm_scale,
+        out=torch.full_like(batch.q, float("nan")),
+        backend="triton",
     )
     assert rel_error(o, o_ref) <= out_rel
     assert rel_error(lse, lse_ref) <= 1e-5

@@ -46,7 +46,13 @@ def test_extend_reference_matches_dense(group):
     v = batch.v_buf[batch.kv_indices].repeat_interleave(group, dim=1)
     o_dense = torch.einsum("iht,thd->ihd", probs, v)
     o, lse_ref = extend_attention_with_stats_torch(
-        batch.q, batch.k_buf, batch.v_buf, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.sm_scale,
+        batch.q,
+        batch.k_buf,
+        batch.v_buf,
+        batch.qo_indptr,
+        batch.kv_indptr,
+        batch.kv_indices,
+        batch.sm_scale,
         lse_out=torch.empty_like(lse),  # float64 instead of the default float32
     )
     assert rel_error(o, o_dense) <= REL
@@ -64,7 +70,14 @@ def test_window_reference_matches_dense(window):
     dense = (probs * in_window[:, None, None]).sum(0)  # [H_q, T_kv]
     dense = dense.unflatten(0, (heads, group)).sum(1).T  # [T_kv, H_kv]
     scores = window_scores_torch(
-        batch.q, batch.k_buf, lse, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, window, batch.sm_scale,
+        batch.q,
+        batch.k_buf,
+        lse,
+        batch.qo_indptr,
+        batch.kv_indptr,
+        batch.kv_indices,
+        window,
+        batch.sm_scale,
         out=torch.empty_like(dense),  # float64 instead of the default float32
     )
     assert rel_error(scores, dense) <= REL

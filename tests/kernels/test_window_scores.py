@@ -44,8 +44,17 @@ def run_both(batch, window, config=None):
         out = torch.full((batch.kv_indices.numel(), batch.k_buf.shape[1]), float("nan"), device=q.device)
         results.append(
             window_scores(
-                q, batch.k_buf, lse, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, window,
-                batch.sm_scale, out=out, config=config, backend=backend,
+                q,
+                batch.k_buf,
+                lse,
+                batch.qo_indptr,
+                batch.kv_indptr,
+                batch.kv_indices,
+                window,
+                batch.sm_scale,
+                out=out,
+                config=config,
+                backend=backend,
             )
         )
     return results
@@ -102,6 +111,13 @@ def test_window_must_be_positive(backend):
     batch = make_ragged_batch([3], [5], 1, 1, 16)
     with pytest.raises(ValueError):
         window_scores(
-            batch.q, batch.k_buf, torch.zeros(3, 1), batch.qo_indptr, batch.kv_indptr, batch.kv_indices,
-            0, batch.sm_scale, backend=backend,
+            batch.q,
+            batch.k_buf,
+            torch.zeros(3, 1),
+            batch.qo_indptr,
+            batch.kv_indptr,
+            batch.kv_indices,
+            0,
+            batch.sm_scale,
+            backend=backend,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from sglang_kvsparse.config import SparsityConfig
+from sglang_kvsparse.policies import SnapKVPolicy
 from sglang_kvsparse.sparse_state import LaneBuffers, SparseState
 
 H_KV, D = 2, 8
@@ -67,24 +68,37 @@ class FreeList:
 
 
 def make_state(
-    num_layers=4, full_layers=(0,), context=64, rows=256, page=1, max_requests=8, budget=None, window=2,
-    evict_page=16, prefix_cache=False, pool_kernel=1,
+    num_layers=4,
+    full_layers=(0,),
+    context=64,
+    rows=256,
+    page=1,
+    max_requests=8,
+    budget=None,
+    window=2,
+    evict_page=16,
+    prefix_cache=False,
+    pool_kernel=1,
 ) -> tuple[SparseState, FreeList]:
     """A state of `num_layers` layers (`full_layers` full, one lane per full layer) on a heap of
     `rows` rows. pool_kernel 1: no pooling, so no score ties."""
     config = SparsityConfig(
-        full_layers=full_layers, budget=budget or context, sink=1, window=window, pool_kernel=pool_kernel,
+        full_layers=full_layers,
+        budget=budget or context,
+        sink=1,
+        window=window,
+        policy=SnapKVPolicy(pool_kernel=pool_kernel),
         evict_page=evict_page,
     )
     resolved = config.resolve(num_layers, context)
     heap = FreeList(rows, page)
     lanes = [
-        LaneBuffers(
-            torch.zeros(rows + page, H_KV, D), torch.zeros(rows + page, H_KV, D), torch.zeros(rows + page, H_KV)
-        )
+        LaneBuffers.over(torch.zeros(rows + page, H_KV, D), torch.zeros(rows + page, H_KV, D))
         for _ in range(max(len(full_layers), 1))
     ]
-    state = SparseState(resolved, heap=heap, lanes=lanes, max_requests=max_requests, heap_rows=rows, prefix_cache=prefix_cache)
+    state = SparseState(
+        resolved, heap=heap, lanes=lanes, max_requests=max_requests, heap_rows=rows, prefix_cache=prefix_cache
+    )
     heap.on_free = state.forget_full_ids
     return state, heap
 

@@ -12,18 +12,22 @@ from sglang_kvsparse.admission import AdmissionRound, running_growth
 from .heap import grow, make_state
 
 BUDGET, EVICT_PAGE, PAGE = 8, 4, 2  # max_entries 12: 6 pages of 2
+SCORE_ROWS = 2  # head dim 8 in float32: 8 entries' scores per row, 12 entries in 2 rows (a page)
 
 
 def state_on_heap(rows: int, prefix_cache: bool = False):
     # 4 layers: layer 0 full (one lane), layers 1..3 sparse (three columns)
-    return make_state(num_layers=4, rows=rows, page=PAGE, budget=BUDGET, evict_page=EVICT_PAGE, window=2,
-                      prefix_cache=prefix_cache)
+    return make_state(
+        num_layers=4, rows=rows, page=PAGE, budget=BUDGET, evict_page=EVICT_PAGE, window=2, prefix_cache=prefix_cache
+    )
 
 
 def test_requests_are_charged_their_largest_footprint_capped_at_max_entries():
     state, _ = state_on_heap(rows=240)
     assert state.rows_to_hold(3) == 3 * 4  # 3 columns, 2 pages of 2
-    assert state.rows_to_hold(100) == 3 * 12  # budget + eviction page, whatever the length
+    # Budget + eviction page, whatever the length, and the score rows of a request that evicts.
+    assert state.rows_to_hold(100) == 3 * (12 + SCORE_ROWS)
+    assert state.rows_to_hold(12) == 3 * 12  # never evicts: no scores
     # Below the budget every sparse layer keeps every token: full + sparse = stock's rows.
     full_rows = 4
     assert full_rows + state.rows_to_hold(4) == state.layout.dense_rows(4)
@@ -31,8 +35,10 @@ def test_requests_are_charged_their_largest_footprint_capped_at_max_entries():
 
 def test_running_requests_are_charged_what_they_may_still_grow_by_scaled_as_sglang_scales():
     state, _ = state_on_heap(rows=240)
-    grow(state, [1], [20])  # holds 8 entries = 4 pages per column, may grow to 12 = 6 pages
-    grow(state, [2], [3])  # holds 2 pages per column, ends at 5 tokens = 3 pages
+    state.expect([1, 2], [40, 5])
+    grow(state, [1], [20])  # holds 8 entries = 4 pages per column (and scores), may grow to 12 = 6 pages
+    grow(state, [2], [3])  # holds 2 pages per column, ends at 5 tokens = 3 pages (no scores)
+    assert state.rows_held(1) == 3 * (8 + SCORE_ROWS) and state.rows_held(2) == 3 * 4
     assert running_growth(state, [(1, 40, 1.0), (2, 5, 1.0)]) == 3 * (4 + 2)
     # SGLang charges a running request ratio * its remaining tokens; a request below the budget
     # grows by one row per column per token, so its sparse charge scales by the same ratio.
@@ -52,6 +58,7 @@ def test_admitted_requests_decode_to_their_end_without_exhausting_the_heap():
         prompt = final // 2
         charge = prompt + (final - prompt) + PAGE + state.rows_to_hold(final)
         if charge < remaining:
+            state.expect([row], [final])
             admitted[row] = heap.sglang_alloc(-(-prompt // PAGE) * PAGE)
             grow(state, [row], [prompt])
             lengths[row] = prompt

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from kvsparse_testbed import server
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
@@ -24,7 +26,6 @@ def _load(relative: str) -> ModuleType:
     return module
 
 
-server = _load("common/server.py")
 report = _load("common/report.py")
 
 LOG = """\
@@ -70,8 +71,13 @@ time.sleep(600)
 def test_a_taken_port_is_detected_and_retried_on_fresh_ports(tmp_path: Path) -> None:
     lines: list[str] = []
     proc = server.ServerProcess(
-        name="fake", command=[sys.executable, "-c", _PORT_TAKEN_SERVER, "--port", "1"], env={},
-        port=1, log_path=tmp_path / "fake.log", startup_timeout_s=60, progress=lines.append,
+        name="fake",
+        command=[sys.executable, "-c", _PORT_TAKEN_SERVER, "--port", "1"],
+        env={},
+        port=1,
+        log_path=tmp_path / "fake.log",
+        startup_timeout_s=60,
+        progress=lines.append,
     )
     try:
         proc.start()

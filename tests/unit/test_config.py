@@ -7,13 +7,13 @@ import pytest
 
 from sglang_kvsparse.config import (
     DEFAULT_PRESET,
-    KNOWN_POLICIES,
     PRESETS,
     PyramidBudget,
     SparsityConfig,
     SparsityConfigError,
     parse_config,
 )
+from sglang_kvsparse.policies import POLICIES, KeyNormPolicy, SnapKVPolicy, StreamingLLMPolicy
 
 SMOL_LAYERS, SMOL_CONTEXT = 30, 8192
 
@@ -48,8 +48,6 @@ def test_default_resolution_on_smollm2():
     assert resolved.budgets[:3] == (None, None, 1024)
     assert resolved.max_entries(5) == 1024 + 16
     assert resolved.max_entries(0) == SMOL_CONTEXT
-    assert not resolved.keeps_all(5) and resolved.keeps_all(0)
-    assert resolved.layer_table()[2] == {"layer": 2, "kind": "sparse", "budget": 1024}
     with pytest.raises(ValueError):
         resolved.budget(0)
 
@@ -66,7 +64,7 @@ def test_json_file(tmp_path):
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps({"full_layers": [0], "policy": "streamingllm"}))
     config = parse_config(str(path))
-    assert config.full_layers == (0,) and config.policy == "streamingllm"
+    assert config.full_layers == (0,) and config.policy == StreamingLLMPolicy()
 
 
 def test_budget_flag_keeps_pyramid_shape_and_replaces_list():
@@ -97,13 +95,12 @@ def test_explicit_list_one_per_sparse_layer():
     config = parse_config('{"full_layers": [1], "budget": [100, 200, 300]}')
     resolved = config.resolve(num_layers=4, context_len=250)
     assert resolved.budgets == (100, None, 200, 250)  # clamped to the context length
-    assert resolved.keeps_all(3) and not resolved.keeps_all(2)
     assert resolved.max_entries(2) == 216 and resolved.max_entries(3) == 250
 
 
 def test_budget_at_or_above_context_keeps_everything():
     resolved = parse_config(budget=1_000_000).resolve(SMOL_LAYERS, SMOL_CONTEXT)
-    assert all(resolved.keeps_all(layer) for layer in range(SMOL_LAYERS))
+    assert all(resolved.max_entries(layer) == SMOL_CONTEXT for layer in range(SMOL_LAYERS))
     assert resolved.max_entries(10) == SMOL_CONTEXT
 
 
@@ -119,8 +116,23 @@ def test_all_layers_full_is_allowed():
         ({"budget": 20}, "--kvsparse-budget: 20 is smaller than sink + window (4 + 32)"),
         ({"json_or_path": '{"budget": 20}'}, "--kvsparse-config budget: 20 is smaller than sink + window (4 + 32)"),
         ({"json_or_path": '{"policy": "foo"}'}, "--kvsparse-config policy: unknown policy 'foo' (known: "),
-        ({"json_or_path": '{"pool_kernel": 4}'}, "--kvsparse-config pool_kernel: must be odd, got 4"),
-        ({"json_or_path": '{"pool_kind": "min"}'}, "--kvsparse-config pool_kind: unknown pool kind 'min'"),
+        (
+            {"json_or_path": '{"policy": {"name": "snapkv", "pool_kernel": 4}}'},
+            "--kvsparse-config policy.pool_kernel: must be odd, got 4",
+        ),
+        (
+            {"json_or_path": '{"policy": {"name": "snapkv", "pool_kind": "min"}}'},
+            "--kvsparse-config policy.pool_kind: unknown pool kind 'min'",
+        ),
+        (
+            {"json_or_path": '{"policy": {"name": "keynorm", "pool_kernel": 3}}'},
+            "--kvsparse-config policy.pool_kernel: unknown knob of policy 'keynorm'",
+        ),
+        (
+            {"json_or_path": '{"policy": {"pool_kernel": 3}}'},
+            "--kvsparse-config policy: expected a policy name or an object",
+        ),
+        ({"json_or_path": '{"pool_kernel": 4}'}, "--kvsparse-config pool_kernel: a knob of the snapkv policy"),
         ({"json_or_path": '{"sink": -1}'}, "--kvsparse-config sink: must be >= 0, got -1"),
         ({"window": "-3"}, "--kvsparse-window: must be >= 1, got -3"),
         ({"window": "x"}, "--kvsparse-window: expected an integer, got 'x'"),
@@ -137,7 +149,10 @@ def test_all_layers_full_is_allowed():
         ({"json_or_path": '{"budget": [64, 64]}'}, "--kvsparse-config budget: 2 budgets given for 28 sparse layers"),
         ({"json_or_path": '{"budget": []}'}, "--kvsparse-config budget: the budget list is empty"),
         ({"json_or_path": '{"budget": {"kind": "cone"}}'}, "--kvsparse-config budget: unknown budget kind 'cone'"),
-        ({"json_or_path": '{"budget": {"kind": "pyramid", "tokens": 512}}'}, "--kvsparse-config budget: a pyramid budget needs exactly 'tokens' and 'min_ratio'"),
+        (
+            {"json_or_path": '{"budget": {"kind": "pyramid", "tokens": 512}}'},
+            "--kvsparse-config budget: a pyramid budget needs exactly 'tokens' and 'min_ratio'",
+        ),
         (
             {"json_or_path": '{"budget": {"kind": "pyramid", "tokens": 512, "min_ratio": 2}}'},
             "--kvsparse-config budget: pyramid min_ratio must be a number in [0, 1], got 2",
@@ -167,8 +182,10 @@ def test_bad_model_shape():
 
 
 def test_direct_construction_is_validated_and_normalized():
-    with pytest.raises(SparsityConfigError, match="pool_kernel: must be odd"):
-        SparsityConfig(pool_kernel=4)
+    with pytest.raises(ValueError, match="pool_kernel: must be odd"):
+        SnapKVPolicy(pool_kernel=4)
+    with pytest.raises(SparsityConfigError, match="policy: expected a scoring policy"):
+        SparsityConfig(policy="snapkv")
     config = SparsityConfig(full_layers=[3, 0], budget=[64, 128])
     assert config.full_layers == (0, 3) and config.budget == (64, 128)
     hash(config)
@@ -184,13 +201,15 @@ def test_to_dict_round_trips(name):
 
 def test_round_trip_of_pyramid_and_list():
     for config in (
-        SparsityConfig(budget=PyramidBudget(700, 0.5), pool_kind="avg", pool_kernel=5),
-        SparsityConfig(full_layers=(0,), budget=(64, 128, 256), policy="keynorm"),
+        SparsityConfig(budget=PyramidBudget(700, 0.5), policy=SnapKVPolicy(pool_kind="avg", pool_kernel=5)),
+        SparsityConfig(full_layers=(0,), budget=(64, 128, 256), policy=KeyNormPolicy()),
     ):
         assert parse_config(json.dumps(config.to_dict())) == config
 
 
 def test_known_policies_and_describe():
-    assert {"snapkv", "streamingllm", "keynorm"} <= KNOWN_POLICIES
+    assert {"snapkv", "streamingllm", "keynorm"} <= set(POLICIES)
+    assert parse_config('{"policy": "streamingllm"}').policy == StreamingLLMPolicy()
+    assert "snapkv (pool_kind max, pool_kernel 15)" in PRESETS["default"].describe()
     assert "pyramid" in PRESETS["pyramidkv"].describe()
     assert "64..256" in SparsityConfig(full_layers=(0,), budget=(64, 256)).describe()

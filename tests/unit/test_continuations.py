@@ -1,11 +1,11 @@
-"""Essay passages and teacher-forced scores (`sglang_kvsparse.continuations`)."""
+"""Essay passages and teacher-forced scores (`kvsparse_testbed.continuations`)."""
 
 import math
 
 import pytest
 
-from sglang_kvsparse.continuations import ForcedScore, essay_passages, tokenized_essay_passages, total
-from sglang_kvsparse.texts import essay_text
+from kvsparse_testbed.continuations import ForcedScore, essay_passages, tokenized_essay_passages, total
+from kvsparse_testbed.texts import essay_text
 
 
 def test_passages_are_disjoint_spans_of_the_tokens_in_order():

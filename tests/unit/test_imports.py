@@ -9,7 +9,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Source folder -> the package name it is installed as.
-PACKAGES = {"sglang_kvsparse": "sglang_kvsparse", "kernels": "sglang_kvsparse.kernels", "patches": "sglang_kvsparse.patches"}
+PACKAGES = {
+    "sglang_kvsparse": "sglang_kvsparse",
+    "kernels": "sglang_kvsparse.kernels",
+    "patches": "sglang_kvsparse.patches",
+}
 
 
 def module_name(path: Path) -> str:
@@ -23,10 +27,19 @@ def project_modules() -> dict[str, Path]:
 
 
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """Project modules `name` imports anywhere in its file."""
+    """Project modules `name` imports anywhere in its file (but for type checkers only)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+        for inner in ast.walk(node)
+    }
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):

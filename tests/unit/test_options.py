@@ -32,7 +32,11 @@ def test_sparse_servers_get_no_chunking_no_overlap_and_a_memory_fraction_on_the_
     }
     given = {"chunked_prefill_size": -1, "mem_fraction_static": 0.5}
     assert sparse_sglang_defaults(LOSSLESS, given, cpu=True) == no_overlap
-    assert sparse_sglang_defaults(LOSSLESS, {}, cpu=False) == {"chunked_prefill_size": -1, **no_overlap, **GPU_SPARSE_OPTIONS}
+    assert sparse_sglang_defaults(LOSSLESS, {}, cpu=False) == {
+        "chunked_prefill_size": -1,
+        **no_overlap,
+        **GPU_SPARSE_OPTIONS,
+    }
 
 
 @pytest.mark.parametrize("given", [{"chunked_prefill_size": 512}, {"enable_mixed_chunk": True}])

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from sglang_kvsparse.config import KNOWN_POLICIES, parse_config
+from sglang_kvsparse.config import parse_config
 from sglang_kvsparse.kernels import extend_attention_with_stats, select_kept
 from sglang_kvsparse.kernels.testing import make_ragged_batch
-from sglang_kvsparse.policies import POLICY_CLASSES, PrefillScoringInputs, SnapKVPolicy, build_policy
+from sglang_kvsparse.policies import POLICIES, PrefillScoringInputs, SnapKVPolicy
 
 KV_LENS = [37, 80, 53]
 Q_LENS = [37, 24, 53]  # the second request extends a cached prefix of 56 tokens
@@ -18,24 +20,38 @@ WINDOW = 8
 def _inputs(seed: int = 0) -> PrefillScoringInputs:
     batch = make_ragged_batch(Q_LENS, KV_LENS, num_kv_heads=3, group=3, head_dim=64, seed=seed)
     _, lse = extend_attention_with_stats(
-        batch.q, batch.k_buf, batch.v_buf, batch.qo_indptr, batch.kv_indptr, batch.kv_indices,
-        batch.sm_scale, backend="torch",
+        batch.q,
+        batch.k_buf,
+        batch.v_buf,
+        batch.qo_indptr,
+        batch.kv_indptr,
+        batch.kv_indices,
+        batch.sm_scale,
+        backend="torch",
     )
     return PrefillScoringInputs(
-        q=batch.q, k_buf=batch.k_buf, lse=lse, qo_indptr=batch.qo_indptr,
-        kv_indptr=batch.kv_indptr, kv_indices=batch.kv_indices, sm_scale=batch.sm_scale,
+        q=batch.q,
+        k_buf=batch.k_buf,
+        lse=lse,
+        qo_indptr=batch.qo_indptr,
+        kv_indptr=batch.kv_indptr,
+        kv_indices=batch.kv_indices,
+        sm_scale=batch.sm_scale,
         window=WINDOW,
     )
 
 
-def test_every_configurable_policy_is_implemented():
-    assert set(POLICY_CLASSES) == set(KNOWN_POLICIES)
+def test_every_registered_policy_is_configurable_by_name_and_round_trips():
+    for name, cls in POLICIES.items():
+        config = parse_config(json_or_path=f'{{"policy": "{name}"}}', preset="snapkv")
+        assert config.policy == cls() and config.to_dict()["policy"]["name"] == name
+        assert parse_config(json_or_path=json.dumps(config.to_dict())) == config
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_CLASSES))
+@pytest.mark.parametrize("name", sorted(POLICIES))
 def test_scores_are_per_key_per_kv_head(name):
     inputs = _inputs()
-    policy = build_policy(parse_config(json_or_path=f'{{"policy": "{name}"}}', preset="snapkv"))
+    policy = parse_config(json_or_path=f'{{"policy": "{name}"}}', preset="snapkv").policy
     assert policy.name == name
     scores = policy.score(inputs)
     assert scores.shape == (sum(KV_LENS), 3)
@@ -45,7 +61,7 @@ def test_scores_are_per_key_per_kv_head(name):
     assert torch.equal(scores, policy.score(inputs))
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_CLASSES))
+@pytest.mark.parametrize("name", sorted(POLICIES))
 def test_scores_follow_the_keys_not_their_slots(name):
     """Moving keys to other slots (same content, same order) must not change the scores."""
     inputs = _inputs()
@@ -53,14 +69,14 @@ def test_scores_follow_the_keys_not_their_slots(name):
     moved_k = torch.empty_like(inputs.k_buf)
     moved_k[perm] = inputs.k_buf
     moved = PrefillScoringInputs(**{**inputs.__dict__, "k_buf": moved_k, "kv_indices": perm[inputs.kv_indices]})
-    policy = POLICY_CLASSES[name]()
+    policy = POLICIES[name]()
     torch.testing.assert_close(policy.score(moved), policy.score(inputs))
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_CLASSES))
+@pytest.mark.parametrize("name", sorted(POLICIES))
 def test_selection_keeps_protected_and_budget(name):
     inputs = _inputs()
-    scores = POLICY_CLASSES[name]().score(inputs)
+    scores = POLICIES[name]().score(inputs)
     kept, kept_lens = select_kept(scores, inputs.kv_indptr, budget=32, sink=4, window=WINDOW)
     assert kept_lens.tolist() == [32, 32, 32]
     for b, length in enumerate(KV_LENS):
@@ -72,29 +88,35 @@ def test_selection_keeps_protected_and_budget(name):
 def test_snapkv_prefers_the_key_the_window_attends_to():
     inputs = _inputs()
     # Make request 1's window queries on head group 0 point at its key at position 20.
-    start, end = int(inputs.qo_indptr[1]), int(inputs.qo_indptr[2])
+    end = int(inputs.qo_indptr[2])
     slot = int(inputs.kv_indices[int(inputs.kv_indptr[1]) + 20])
     direction = torch.randn(64, generator=torch.Generator().manual_seed(9))
     q = inputs.q.clone()
-    q[end - WINDOW:end, 0:3] = direction
+    q[end - WINDOW : end, 0:3] = direction
     k_buf = inputs.k_buf.clone()
     k_buf[slot, 0] = direction
     _, lse = extend_attention_with_stats(
-        q, k_buf, k_buf, inputs.qo_indptr, inputs.kv_indptr, inputs.kv_indices, inputs.sm_scale,
+        q,
+        k_buf,
+        k_buf,
+        inputs.qo_indptr,
+        inputs.kv_indptr,
+        inputs.kv_indices,
+        inputs.sm_scale,
         backend="torch",
     )
     boosted = PrefillScoringInputs(**{**inputs.__dict__, "q": q, "k_buf": k_buf, "lse": lse})
     scores = SnapKVPolicy(pool_kernel=1).score(boosted)
-    request = scores[int(inputs.kv_indptr[1]):int(inputs.kv_indptr[2]), 0]
+    request = scores[int(inputs.kv_indptr[1]) : int(inputs.kv_indptr[2]), 0]
     assert int(request[: 80 - WINDOW].argmax()) == 20
     # Max pooling spreads the score to the neighbours, so the span survives together.
-    pooled = SnapKVPolicy(pool_kernel=5).score(boosted)[int(inputs.kv_indptr[1]):, 0]
+    pooled = SnapKVPolicy(pool_kernel=5).score(boosted)[int(inputs.kv_indptr[1]) :, 0]
     assert (pooled[18:23] == pooled[20]).all()
 
 
 def test_streamingllm_keeps_the_most_recent():
     inputs = _inputs()
-    scores = POLICY_CLASSES["streamingllm"]().score(inputs)
+    scores = POLICIES["streamingllm"]().score(inputs)
     kept, _ = select_kept(scores, inputs.kv_indptr, budget=24, sink=4, window=WINDOW)
     assert kept[1, 0].tolist() == [0, 1, 2, 3, *range(60, 80)]
 
@@ -104,5 +126,5 @@ def test_keynorm_prefers_small_keys():
     k_buf = inputs.k_buf.clone()
     slot = int(inputs.kv_indices[10])
     k_buf[slot] *= 0.01
-    scores = POLICY_CLASSES["keynorm"]().score(PrefillScoringInputs(**{**inputs.__dict__, "k_buf": k_buf}))
+    scores = POLICIES["keynorm"]().score(PrefillScoringInputs(**{**inputs.__dict__, "k_buf": k_buf}))
     assert int(scores[: KV_LENS[0]].argmax(dim=0)[0]) == 10

@@ -73,8 +73,14 @@ def test_pinned_blocks_are_not_reclaimable_until_unpinned():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["put", "forget", "pin", "unpin", "take", "give"]),
-                          st.integers(1, 40), st.integers(1, 9)), max_size=40))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["put", "forget", "pin", "unpin", "take", "give"]), st.integers(1, 40), st.integers(1, 9)
+        ),
+        max_size=40,
+    )
+)
 def test_entries_and_rows_stay_consistent(ops):
     """Whatever happens, each entry's block names its id, pinned blocks keep their entries, and the
     heap's used rows are the store's plus the other owners'."""

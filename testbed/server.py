@@ -15,9 +15,9 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 import psutil
 import requests
@@ -106,7 +106,7 @@ class ServerProcess:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         self.start()
         return self
 
@@ -114,23 +114,13 @@ class ServerProcess:
         self.stop()
 
     def start(self) -> None:
-        """Launch, stream output to the log file, and block until ``/health`` answers 200; when
-        another process took the port first, start again on a fresh one."""
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            try:
-                return self._start_once()
-            except PortTaken:
-                if attempt == PORT_ATTEMPTS:
-                    raise
-                self._move_to(free_port())
-                self.progress(f"[{self.name}] port taken by another process; retrying on {self.port}")
+        """Launch, stream output to the log file, and block until ``/health`` answers 200."""
+        self.launch()
+        self.wait_ready()
 
-    def _move_to(self, port: int) -> None:
-        command = list(self.command)
-        command[command.index("--port") + 1] = str(port)
-        self.command, self.port = command, port
-
-    def _start_once(self) -> None:
+    def launch(self) -> None:
+        """Start the process without waiting for it (`wait_ready` waits), so several servers
+        can start side by side."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(
@@ -142,11 +132,28 @@ class ServerProcess:
                 start_new_session=True,
             )
         self.progress(f"[{self.name}] starting (log: {self.log_path})")
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
+
+    def wait_ready(self) -> None:
+        """Block until ``/health`` answers 200; when another process took the port first, start
+        again on a fresh one. On failure every process is stopped and the error says why."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return self._wait_healthy()
+            except PortTaken:
+                self.stop()
+                if attempt == PORT_ATTEMPTS:
+                    raise
+                self._move_to(free_port())
+                self.progress(f"[{self.name}] port taken by another process; retrying on {self.port}")
+                self.launch()
+            except BaseException:
+                self.stop()
+                raise
+
+    def _move_to(self, port: int) -> None:
+        command = list(self.command)
+        command[command.index("--port") + 1] = str(port)
+        self.command, self.port = command, port
 
     def _wait_healthy(self) -> None:
         started = time.monotonic()
@@ -166,8 +173,7 @@ class ServerProcess:
                 pass
             now = time.monotonic()
             if now - started > self.startup_timeout_s:
-                raise ServerStartError(
-                    self._failure(f"not healthy after {self.startup_timeout_s:.0f} s"))
+                raise ServerStartError(self._failure(f"not healthy after {self.startup_timeout_s:.0f} s"))
             if now - last_report >= 15:
                 last_line = log_tail(self.log_path, 1).strip()[:160]
                 self.progress(f"[{self.name}] waiting for /health ({now - started:.0f} s) {last_line}")
@@ -215,6 +221,16 @@ class ServerProcess:
             pids = ", ".join(str(p.pid) for p in alive)
             raise RuntimeError(f"[{self.name}] processes survived SIGKILL: {pids}")
         self.progress(f"[{self.name}] stopped ({len(self._tree)} processes, none left)")
+
+    def flush_cache(self, timeout_s: float = 60) -> None:
+        """Empty SGLang's radix cache (and with it the project's prefix store). SGLang refuses
+        (400) while a request it has already answered is still being retired, so retry briefly."""
+        deadline = time.monotonic() + timeout_s
+        while (response := requests.post(f"{self.base_url}/flush_cache", timeout=120)).status_code == 400:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        response.raise_for_status()
 
     def log_size(self) -> int:
         """Current log length in bytes: a bookmark for :meth:`log_since`."""

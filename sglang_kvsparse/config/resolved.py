@@ -1,0 +1,57 @@
+"""A configuration checked against one model: per layer, its kind and effective budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from sglang_kvsparse.config.schema import SparsityConfig
+
+LayerKind = Literal["full", "sparse"]
+
+
+@dataclass(frozen=True)
+class ResolvedSparsity:
+    """`budgets[layer]` is None for full layers and min(configured budget, context_len) for
+    sparse ones. Built only by `SparsityConfig.resolve`."""
+
+    config: SparsityConfig
+    num_layers: int
+    context_len: int
+    kinds: tuple[LayerKind, ...]
+    budgets: tuple[int | None, ...]
+
+    @property
+    def enabled(self) -> bool:
+        """True when the plugin is on (it may still have no sparse layer: then it is dense)."""
+        return self.config.enabled
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.kinds) if kind == "full")
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.kinds) if kind == "sparse")
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.kinds[layer] == "sparse"
+
+    def budget(self, layer: int) -> int:
+        """Effective budget of a sparse layer; ValueError for a full layer."""
+        value = self.budgets[layer]
+        if value is None:
+            raise ValueError(f"layer {layer} is a full layer and has no budget")
+        return value
+
+    def max_entries(self, layer: int) -> int:
+        """Most entries one request can hold in the layer at any time.
+
+        Full: the context length. Sparse: budget + evict_page (eviction runs when a layer reaches
+        it), capped at the context length because a sequence never grows beyond it.
+        """
+        value = self.budgets[layer]
+        if value is None:
+            return self.context_len
+        return min(value + self.config.evict_page, self.context_len)
