@@ -209,7 +209,9 @@ def run_workload(
             )
         )
     parts = workload.parts
-    dense_bytes = sum((p.input_len + p.output_len) * p.count for p in parts) / sum(p.count for p in parts)
+    # A ranged part's lengths are uniform in [ratio x length, length]: its mean is the estimate.
+    mean_len = sum((p.input_len + p.output_len) * (1 + p.range_ratio) / 2 * p.count for p in parts)
+    dense_bytes = mean_len / sum(p.count for p in parts)
     kv_bytes, source = poller.bytes_per_request(dense_bytes * bytes_per_token)
     layer_token_bytes = bytes_per_token / num_layers
     return {

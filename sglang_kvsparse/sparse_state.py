@@ -258,12 +258,6 @@ class SparseState:
         usable = max(min(self.store.valid_prefix_len(prefix_ids), seq_len - self.config.window), 0)
         return usable - usable % self.page_size
 
-    def prefix_rows_to_pin(self, prefix_ids: torch.Tensor | None) -> int:
-        """Store rows that pinning the prefix would take out of the reclaimable ones."""
-        if self.store is None or prefix_ids is None:
-            return 0
-        return self.store.unpinned_rows_of(prefix_ids)
-
     def pin_prefix(self, prefix_ids: torch.Tensor) -> None:
         """Keep the prefix's store blocks until the forward that reads them has been issued."""
         if self.store is not None:

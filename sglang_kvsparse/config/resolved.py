@@ -35,9 +35,6 @@ class ResolvedSparsity:
     def sparse_layers(self) -> tuple[int, ...]:
         return tuple(i for i, kind in enumerate(self.kinds) if kind == "sparse")
 
-    def is_sparse(self, layer: int) -> bool:
-        return self.kinds[layer] == "sparse"
-
     def budget(self, layer: int) -> int:
         """Effective budget of a sparse layer; ValueError for a full layer."""
         value = self.budgets[layer]

@@ -81,9 +81,9 @@ def test_a_pinned_prefix_stops_counting_as_free():
     ids = heap.sglang_alloc(12)
     state.store.put(ids, state.take_for_store(12 * 3))  # a finished prompt's 12 tokens, evictable
     assert state.reclaimable_rows() == 36
-    assert state.prefix_rows_to_pin(ids[:8]) == 24
+    assert state.store.unpinned_rows_of(ids[:8]) == 24
     state.pin_prefix(ids[:8])  # a request reusing 8 of them is admitted
-    assert state.reclaimable_rows() == 12 and state.prefix_rows_to_pin(ids) == 12
+    assert state.reclaimable_rows() == 12 and state.store.unpinned_rows_of(ids) == 12
     state.unpin_prefix(ids[:8])  # ...or refused after all
     assert state.reclaimable_rows() == 36
     state.pin_prefix(ids[:8])
