@@ -30,13 +30,18 @@ def test_sparse_server_runs_three_times_the_requests_of_stock(tmp_path: Path) ->
     [report_file] = tmp_path.glob("capacity-sparse-4k-*.json")
     report = json.loads(report_file.read_text())
     systems = {system["name"]: system for system in report["systems"]}
-    stock, sparse = systems["stock"], systems["budget-256"]
-    for system in (stock, sparse):
-        assert system["error"] is None and system["completed"] == report["num_requests"]
+    for system in systems.values():
+        assert system["error"] is None
+        assert [(run["workload"], run["completed"]) for run in system["runs"]] == [
+            ("4000", run["sent"]) for run in system["runs"]
+        ]
+    stock, sparse = systems["stock"]["runs"][0], systems["budget-256"]["runs"][0]
     assert stock["peak_running"] >= 1
     assert sparse["peak_running"] >= 3 * stock["peak_running"], (sparse["peak_running"], stock["peak_running"])
+    assert sparse["ratio_to_stock"] == sparse["peak_running"] / stock["peak_running"]
     assert sparse["kv_bytes_source"].startswith("measured")
-    dense_bytes = (report["input_len"] + report["output_len"]) * report["kv_bytes_per_token"]
+    [part] = report["workloads"][0]["parts"]
+    dense_bytes = (part["input_len"] + part["output_len"]) * report["kv_bytes_per_token"]
     assert sparse["kv_bytes_per_request"] < 0.25 * dense_bytes
     per_layer = sparse["kv_bytes_per_request_per_layer"]
     assert per_layer["sparse"] < per_layer["full"] / 10
