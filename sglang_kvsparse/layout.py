@@ -111,11 +111,6 @@ class HeapLayout:
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_slots
 
-    def budget(self, layer: int) -> int | None:
-        """The budget a layer keeps (its group's), None for a full layer."""
-        slot = self.sparse_slots.get(layer)
-        return None if slot is None else self.groups[slot.group].budget
-
     @property
     def num_columns(self) -> int:
         return sum(len(group.columns) for group in self.groups)
