@@ -5,17 +5,24 @@ prefill batch, one `PrefillAdder` per round. On the round's first call the previ
 over (its evicted rows and pins are released) and the running requests' sparse growth is added to
 SGLang's budget (`admission.running_growth`). For each request the heap allocator's
 `request_slot_reserve`, which SGLang adds to the request's charge on every admission path, answers
-the request's sparse rows while SGLang decides (`allocator.kvsparse_charge`); a request reusing a
-cached prefix pins the prefix's store blocks first (unpinned if SGLang refuses it). A request that
-would reuse much more of a prompt admitted in the same round waits for the next round
+the sparse rows of the prefill SGLang is sizing while it decides (`allocator.kvsparse_charge`,
+`SparseState.prefill_charge`: a chunk before the prompt's last takes store rows, the last chunk
+the request's entries); a request reusing a cached prefix pins the prefix's store blocks first
+(unpinned if SGLang refuses it). AROUND `PrefillAdder.add_chunked_req` does the same for the
+next chunk of a chunked prompt; once a chunk before its prompt's last is admitted, no other
+request starts a chunk in that round (SGLang tracks one chunked request). A request that would
+reuse much more of a prompt admitted in the same round waits for the next round
 (`AddReqResult.OTHER`: SGLang stops adding for this round without marking the batch full).
 
 AFTER `ReqToTokenPool.alloc` (`expect_rows`): when SGLang gives admitted requests their rows, the
-state learns how long each may grow, so that only requests that will evict get score rows.
+state learns how long each may grow, so that only requests that will evict get score rows,
+and how long its prefill is, so that a shorter allocation is known to be a chunk.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -45,7 +52,33 @@ def expect_rows(result: Any, pool: Any, reqs: Any, *args: Any, **kwargs: Any) ->
         return
     state = context.state()
     context_len = state.resolved.context_len
-    state.expect([r.kv.req_pool_idx for r in reqs], [final_len(r, context_len, clip=context_len) for r in reqs])
+    state.expect(
+        [r.kv.req_pool_idx for r in reqs],
+        [final_len(r, context_len, clip=context_len) for r in reqs],
+        [fill_len(r) for r in reqs],
+    )
+
+
+def fill_len(req: Any) -> int:
+    """The length the request's prefill reaches (its prompt, and any output of an earlier run)."""
+    return len(req.origin_input_ids) + len(req.output_ids)
+
+
+@contextmanager
+def charging(adder: Any, req: Any) -> Iterator[None]:
+    """While SGLang sizes a prefill of `req`, the allocator's reserve includes its sparse rows."""
+    state = context.state()
+    fill, final = fill_len(req), final_len(req, state.resolved.context_len)
+
+    def charge(end: int) -> int:
+        return state.prefill_charge(req.prefix_len, end, fill, final)
+
+    allocator = adder.token_to_kv_pool_allocator
+    allocator.kvsparse_charge = charge
+    try:
+        yield
+    finally:
+        allocator.kvsparse_charge = None
 
 
 def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -58,18 +91,38 @@ def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any
     prefix = prefix_ids(adder.tree_cache, req)
     if prefix is not None:
         state.pin_prefix(prefix)
-    allocator = adder.token_to_kv_pool_allocator
-    allocator.kvsparse_charge = state.rows_to_hold(final_len(req, state.resolved.context_len))
     admitted_before = len(adder.can_run_list)
-    try:
+    with charging(adder, req):
         result = original(adder, req, *args, **kwargs)
-    finally:
-        allocator.kvsparse_charge = 0
     if len(adder.can_run_list) > admitted_before:
         round_.admitted(token_ids)
+        if adder.new_chunked_req is req:
+            _spend_chunk_budget(adder)
+            result = adder.budget_state()
     elif prefix is not None:
         state.unpin_prefix(prefix)
     return result
+
+
+def admit_chunk(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND `add_chunked_req`: the next chunk of a chunked prompt is charged its sparse rows."""
+    if _ROUND not in adder.__dict__:
+        _start_round(adder)
+    with charging(adder, req):
+        result = original(adder, req, *args, **kwargs)
+    if result is not None and req in adder.can_run_list:
+        _spend_chunk_budget(adder)
+    return result
+
+
+def _spend_chunk_budget(adder: Any) -> None:
+    """A chunk before its prompt's last was admitted: no other request starts a chunk this round.
+
+    In stock SGLang such a chunk takes the round's whole chunk budget; the window-safe cut
+    (`patches/chunking.py`) can leave a few tokens of it, and SGLang tracks one chunked request
+    at a time, so the rest of the budget is given up as stock would have used it."""
+    if adder.rem_chunk_tokens is not None:
+        adder.rem_chunk_tokens = 0
 
 
 def _start_round(adder: Any) -> AdmissionRound:

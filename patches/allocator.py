@@ -9,14 +9,16 @@ hooks it already calls on every allocator:
 * `available_size` counts the prefix store's reclaimable rows as free, and every `alloc*` reclaims
   them before it hands out rows, so the store borrows memory without SGLang knowing;
 * `free` of SGLang's ids drops their prefix-store entries (the tree no longer holds the token);
-* `request_slot_reserve` (admission, every path) adds the sparse entries of the request being
-  admitted (set by `patches/admission.py`), `check_decode_capacity` (the decode check the retract
-  loop converges on) adds the next step's sparse entries, and `max_new_tokens_for_memory` (queue
-  admission) knows what a request of a given length holds in the heap.
+* `request_slot_reserve` (admission, every path) adds what the prefill being admitted takes in the
+  sparse columns (the charge `patches/admission.py` sets for the request, by the prefill's end),
+  `check_decode_capacity` (the decode check the retract loop converges on) adds the next step's
+  sparse entries, and `max_new_tokens_for_memory` (queue admission) knows what a request of a
+  given length holds in the heap, its prefill's peak included.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,8 +57,9 @@ def heap_allocator_class(base: type) -> type:
     class KVSparseHeapAllocator(base):
         kvsparse_state: SparseState
         kvsparse_rows: RawHeapRows
-        #: Sparse rows of the request `patches/admission.py` is admitting now (0 otherwise).
-        kvsparse_charge: int = 0
+        #: Sparse rows a prefill of the request being admitted now takes, by the prefill's end
+        #: (prefix + extend tokens); set by `patches/admission.py` while SGLang decides.
+        kvsparse_charge: Callable[[int], int] | None = None
 
         def available_size(self) -> int:
             return super().available_size() + self.kvsparse_state.reclaimable_rows()
@@ -90,7 +93,7 @@ def heap_allocator_class(base: type) -> type:
 
         def request_slot_reserve(self, *, has_req_pool_slot: bool, prefill_tokens: int = 0) -> int:
             stock = super().request_slot_reserve(has_req_pool_slot=has_req_pool_slot, prefill_tokens=prefill_tokens)
-            return stock + self.kvsparse_charge
+            return stock + (self.kvsparse_charge(prefill_tokens) if self.kvsparse_charge else 0)
 
         def check_decode_capacity(self, *, num_tokens: int, tree_cache, requests=None, spec_algorithm=None) -> bool:
             rows = [r.kv.req_pool_idx for r in requests or () if r.kv.req_pool_idx is not None]
@@ -98,10 +101,12 @@ def heap_allocator_class(base: type) -> type:
             self.evict_to_free_tokens(tree_cache, need)
             return self.available_size() >= need
 
-        def max_new_tokens_for_memory(self, input_tokens: int, max_new_tokens: int, *, token_capacity: int, **kwargs):
+        def max_new_tokens_for_memory(
+            self, input_tokens: int, max_new_tokens: int, *, token_capacity: int, chunk_size: int | None = None, **kw
+        ):
             rows = token_capacity - self.page_size - 1
             layout = self.kvsparse_state.layout
-            if layout.rows_held(input_tokens) > rows:
+            if self.kvsparse_state.prefill_peak_rows(input_tokens, chunk_size) > rows:
                 return None
             longest = layout.longest_fitting(rows)
             return max(0, min(max_new_tokens, longest - round_up(input_tokens, self.page_size)))

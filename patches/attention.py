@@ -6,6 +6,8 @@ layers go to the stock backend unchanged; sparse layers read and write their own
 heap's lanes (`SparseState.lanes`) through `sglang_kvsparse.sparse_attention`. The forward's plan
 is built once per step in `init_forward_metadata` (`sglang_kvsparse.planning`); after the last
 sparse layer has been issued, the state releases what the step's evictions and prefix reads held.
+A mixed forward (`--enable-mixed-chunk`: a prefill with the running requests' decode tokens
+appended) gets a prefill plan and a decode plan, split where the decoding rows begin.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import Any
 from sglang.srt.layers.attention import attention_registry
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from sglang_kvsparse.planning import ForwardPlan, plan_decode, plan_extend
-from sglang_kvsparse.sparse_attention import sparse_decode, sparse_extend
+from sglang_kvsparse.planning import ForwardPlan, MixedPlan, plan_decode, plan_extend
+from sglang_kvsparse.sparse_attention import sparse_decode, sparse_extend, sparse_mixed
 from sglang_kvsparse.sparse_state import SparseState
 
 from . import context
@@ -39,7 +41,7 @@ class KVSparseBackend(AttentionBackend):
         self.token_to_kv_pool = inner.token_to_kv_pool
         self.data_type = inner.data_type
         self.kv_cache_dtype = inner.kv_cache_dtype
-        self._plan: ForwardPlan | None = None
+        self._plan: ForwardPlan | MixedPlan | None = None
         self._last_sparse_layer = max(state.layout.sparse_slots, default=-1)
 
     # Attributes the base class declares (so __getattr__ would never see them) but the inner
@@ -75,30 +77,40 @@ class KVSparseBackend(AttentionBackend):
             self._plan = None
         elif mode.is_decode():
             self._plan = plan_decode(self.state, rows, device)
-        elif mode.is_extend() and not mode.is_mixed() and not mode.is_target_verify():
-            prefix_lens = [int(n) for n in forward_batch.extend_prefix_lens_cpu]
-            table = self.req_to_token_pool.req_to_token
-            prefix_ids = [table[row, :n] for row, n in zip(rows, prefix_lens)]
-            self._plan = plan_extend(
-                self.state,
-                rows,
-                prefix_lens,
-                list(forward_batch.extend_seq_lens_cpu),
-                prefix_ids,
-                forward_batch.out_cache_loc,
-                device,
-            )
+        elif mode.is_extend() and not mode.is_target_verify():
+            # SGLang runs a mixed batch (prefills, then running rows' decode tokens) as an extend.
+            decoding = self.state.prefilled[rows]
+            prefilling = int((~decoding).sum())
+            if bool(decoding[:prefilling].any()):
+                raise NotImplementedError("kvsparse: a mixed batch whose decoding rows do not follow its prefills")
+            extend = self._plan_extend(forward_batch, rows[:prefilling], device)
+            if prefilling == len(rows):
+                self._plan = extend
+            else:
+                tokens = sum(int(n) for n in forward_batch.extend_seq_lens_cpu[:prefilling])
+                self._plan = MixedPlan(extend, plan_decode(self.state, rows[prefilling:], device), tokens)
         else:
             raise NotImplementedError(f"kvsparse: forward mode {mode} is not supported with sparse layers")
+
+    def _plan_extend(self, forward_batch: Any, rows: list[int], device: Any) -> ForwardPlan:
+        """The prefill plan of the batch's first len(rows) requests."""
+        prefix_lens = [int(n) for n in forward_batch.extend_prefix_lens_cpu[: len(rows)]]
+        extend_lens = [int(n) for n in forward_batch.extend_seq_lens_cpu[: len(rows)]]
+        table = self.req_to_token_pool.req_to_token
+        prefix_ids = [table[row, :n] for row, n in zip(rows, prefix_lens)]
+        new_ids = forward_batch.out_cache_loc[: sum(extend_lens)]
+        return plan_extend(self.state, rows, prefix_lens, extend_lens, prefix_ids, new_ids, device)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         if not self.state.layout.is_sparse(layer.layer_id):
             return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         slot = self.state.layout.sparse_slots[layer.layer_id]
-        o = sparse_extend(
-            q3, k, v, layer.scaling, self._plan, self._plan.column(slot), self.state.lanes[slot.lane], self.state.policy
-        )
+        lane, policy = self.state.lanes[slot.lane], self.state.policy
+        if isinstance(self._plan, MixedPlan):
+            o = sparse_mixed(q3, k, v, layer.scaling, self._plan, slot, lane, policy)
+        else:
+            o = sparse_extend(q3, k, v, layer.scaling, self._plan, self._plan.column(slot), lane, policy)
         self._after_sparse_layer(layer.layer_id)
         return o.reshape(q3.shape[0], -1)
 

@@ -23,6 +23,16 @@ ADD_ONE_REQ = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 REQ_ROWS = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc"
 #: AROUND: a radix match is cut to what the prefix store can serve (`prefix.cap_match`).
 MATCH_KV_CACHE = "sglang.srt.mem_cache.common.match_kv_cache"
+#: AROUND: the next chunk of a chunked prompt is charged its sparse rows (`admission.admit_chunk`).
+ADD_CHUNKED_REQ = "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req"
+#: AROUND: a new request's first chunk leaves its last chunk the whole window (`chunking.fit_admission`).
+SELECT_PREFILL = "sglang.srt.managers.schedule_policy.PrefillAdder._select_prefill_admission"
+#: AROUND: so does a chunked request's next chunk (`chunking.fit_floor`).
+FLOOR_CHUNK = "sglang.srt.managers.schedule_policy.PrefillAdder.floor_chunked_tokens"
+#: AROUND: store entries of duplicates the tree frees move to its ids (`prefix.adopt_duplicates`),
+#: in SGLang's default tree and in its plain radix tree.
+UNIFIED_INSERT = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.insert"
+RADIX_INSERT = "sglang.srt.mem_cache.radix_cache.RadixCache.insert"
 #: AFTER: the scheduler's internal state carries the sparse stats (`observability.add_stats`).
 INTERNAL_STATE = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
@@ -38,6 +48,11 @@ ALL: tuple[str, ...] = (
     ADD_ONE_REQ,
     REQ_ROWS,
     MATCH_KV_CACHE,
+    ADD_CHUNKED_REQ,
+    SELECT_PREFILL,
+    FLOOR_CHUNK,
+    UNIFIED_INSERT,
+    RADIX_INSERT,
     INTERNAL_STATE,
     LOG_STATS,
 )

@@ -135,7 +135,7 @@ def make_attach_state(config: SparsityConfig):
             lanes=lanes,
             max_requests=runner.req_to_token_pool._alloc_size,
             heap_rows=rows,
-            prefix_cache=not get_server_args().disable_radix_cache,
+            prefix_cache=needs_prefix_store(get_server_args()),
         )
         allocator.attach(token_allocator, state)
         runner.req_to_token_pool.attach_aux_cache(state)
@@ -190,12 +190,15 @@ def check_heap(layout: HeapLayout, rows: int) -> None:
         )
 
 
+def needs_prefix_store(args: Any) -> bool:
+    """The sparse layers keep prompt K/V for the radix cache's hits and for chunked prefill."""
+    return not args.disable_radix_cache or (args.chunked_prefill_size or -1) > 0
+
+
 def check_guards() -> None:
     """Refuse, in one line naming the flag, what the sparse layers cannot serve yet."""
     args = get_server_args()
     problems = []
-    if (getattr(args, "chunked_prefill_size", None) or -1) > 0 or getattr(args, "enable_mixed_chunk", False):
-        problems.append("chunked prefill is not supported with layer-wise sparsity yet; use --chunked-prefill-size -1")
     if getattr(args, "tp_size", 1) != 1 or getattr(args, "dp_size", 1) != 1 or getattr(args, "pp_size", 1) != 1:
         problems.append("--tp-size/--dp-size/--pp-size must be 1 with layer-wise sparsity")
     if not getattr(args, "disable_overlap_schedule", False):

@@ -38,7 +38,7 @@ def load() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from . import admission, attention, memory, observability, prefix
+    from . import admission, attention, chunking, memory, observability, prefix
 
     attention.install()
     registrations = [
@@ -48,6 +48,11 @@ def load() -> None:
         (hooks.ADD_ONE_REQ, admission.admit, HookType.AROUND),
         (hooks.REQ_ROWS, admission.expect_rows, HookType.AFTER),
         (hooks.MATCH_KV_CACHE, prefix.cap_match, HookType.AROUND),
+        (hooks.ADD_CHUNKED_REQ, admission.admit_chunk, HookType.AROUND),
+        (hooks.SELECT_PREFILL, chunking.fit_admission, HookType.AROUND),
+        (hooks.FLOOR_CHUNK, chunking.fit_floor, HookType.AROUND),
+        (hooks.UNIFIED_INSERT, prefix.adopt_duplicates, HookType.AROUND),
+        (hooks.RADIX_INSERT, prefix.adopt_duplicates, HookType.AROUND),
         (hooks.INTERNAL_STATE, observability.add_stats, HookType.AFTER),
         (hooks.LOG_STATS, observability.set_gauges, HookType.AFTER),
     ]

@@ -10,6 +10,14 @@ tree matched more than that, match again with SGLang's own `max_prefix_len` limi
 splits its node there and the request's prefix, lock and `cached_tokens` are exactly what will be
 reused. Full layers then recompute the few tokens past the cap, which keeps every layer's prefix
 the same length.
+
+AROUND the tree's `insert` (`UnifiedRadixCache`, SGLang's default, and `RadixCache`; every
+insert: a chunk's checkpoint, a finished request): where the tree already held some of the
+inserted tokens under other ids, SGLang frees the inserted duplicates; their store entries move to
+the tree's ids before they are forgotten (`SparseState.adopting`, `adopt_store_entries`). That
+lets a conversation's turn k reuse turn k-1's whole prompt: the tree holds the previous answer
+under its decode-time ids, which have no entries, and turn k-1's prefill computed the same tokens
+under ids the insert frees.
 """
 
 from __future__ import annotations
@@ -38,3 +46,17 @@ def cap_match(
         return result
     limit = usable if max_prefix_len is None else min(usable, max_prefix_len)
     return original(req, tree_cache, token_ids, cow_mamba=cow_mamba, max_prefix_len=limit)
+
+
+def adopt_duplicates(original: Any, tree_cache: Any, params: Any) -> Any:
+    """The AROUND hook on `RadixCache.insert`: SGLang's insert, then the adoption of the doc."""
+    state = context.current()
+    if state is None or state.store is None or params.value is None:
+        return original(tree_cache, params)
+    with state.adopting():
+        result = original(tree_cache, params)
+        start = getattr(params, "prev_prefix_len", 0) or 0  # below it the values are the tree's own
+        if result.prefix_len > start and result.last_device_node is not None:
+            theirs = tree_cache.path_device_indices(result.last_device_node)[start : result.prefix_len]
+            state.adopt_store_entries(params.value[start : result.prefix_len], theirs)
+    return result

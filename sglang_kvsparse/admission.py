@@ -13,11 +13,15 @@ rows, so SGLang's own budget does the whole check once it is told about the spar
   (every layer keeps every token) is charged exactly what stock SGLang charges it;
 * a request reusing a cached prefix pins the prefix's store blocks, which stop counting as free.
 
-A sparse server prefills each prompt in one piece (no chunked prefill), so a burst of requests
-sharing a new system prompt would all miss the cache in one batch; stock SGLang's chunks let the
-first one's prefix reach the cache before the others are prefilled. So a request that shares at
-least `SHARED_PREFIX_WAIT_TOKENS` more tokens with a prompt admitted in this round than its own
-cache hit waits one round (`should_wait`), and then hits that prompt's prefix.
+* a chunk before a prompt's last is charged the prefix-store rows its tokens take
+  (`SparseState.prefill_charge`), and SGLang's cut is moved so that the last chunk holds the
+  whole observation window (`window_safe_cut`).
+
+A burst of requests sharing a new system prompt, prefilled in one batch, would all miss the cache.
+So a request that shares at least `SHARED_PREFIX_WAIT_TOKENS` more tokens with a prompt admitted
+in this round than its own cache hit waits one round (`should_wait`), and then hits that prompt's
+prefix. (Stock SGLang gets part of that from its chunks when the shared prompt is longer than a
+chunk; the wait also covers shorter ones.)
 """
 
 from __future__ import annotations
@@ -35,6 +39,15 @@ def running_growth(state: SparseState, running: Iterable[tuple[int, int, float]]
     return sum(
         ratio * max(state.rows_to_hold(final_len) - state.rows_held(row), 0) for row, final_len, ratio in running
     )
+
+
+def window_safe_cut(chunk: int, remaining: int, window: int, page_size: int) -> int:
+    """The length of a chunk cut from `remaining` prompt tokens (starting on a page edge) such
+    that what is left is nothing or at least `window` tokens: `chunk` itself, or shorter, on a
+    page edge; 0 when no cut works."""
+    if chunk >= remaining or remaining - chunk >= window:
+        return chunk
+    return max(remaining - window, 0) // page_size * page_size
 
 
 class AdmissionRound:

@@ -55,8 +55,6 @@ def _own_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-path", "--model", dest="model_path")
     parser.add_argument("--host", default=_DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=_DEFAULT_PORT)
-    parser.add_argument("--chunked-prefill-size", type=int)
-    parser.add_argument("--enable-mixed-chunk", action="store_true", default=None)
     parser.add_argument("--mem-fraction-static", type=float)
     return parser
 
@@ -97,12 +95,8 @@ def build_sglang_argv(argv: list[str]) -> list[str]:
     validate_for_model(config, read_model_shape(model_path))
     export_to_processes(config)
     _say(f"sparsity: {config.describe()}")
-    given = {
-        "chunked_prefill_size": own.chunked_prefill_size,
-        "enable_mixed_chunk": own.enable_mixed_chunk,
-        "mem_fraction_static": own.mem_fraction_static,
-    }
-    needed = sparse_sglang_defaults(config, {k: v for k, v in given.items() if v is not None}, cpu=not gpu_available())
+    given = {} if own.mem_fraction_static is None else {"mem_fraction_static": own.mem_fraction_static}
+    needed = sparse_sglang_defaults(config, given, cpu=not gpu_available())
     sglang_argv += as_cli_flags(needed)
     if config.enabled:
         added = " ".join(as_cli_flags(needed))

@@ -87,26 +87,17 @@ def export_to_processes(config: SparsityConfig) -> None:
 def sparse_sglang_defaults(config: SparsityConfig, given: dict[str, object], *, cpu: bool) -> dict[str, object]:
     """SGLang options a sparse server needs, given the ones the user set (field spelling).
 
-    Chunked prefill would split a prompt whose sparse-layer K/V must be complete in one forward,
-    so it is turned off, and a user value that turns it on is refused. Without chunking, SGLang
-    reserves 1.5 MB of activations per prefill token (16k tokens: more than a small machine has)
-    when it derives --mem-fraction-static, so on the CPU, where --max-total-tokens bounds the KV
-    pool anyway, a fixed fraction is given instead. Overlap scheduling (the next step's slot
+    Chunked prefill stays SGLang's to choose (sparse layers keep a chunked prompt's earlier chunks
+    in the prefix store until its last). On the CPU, where --max-total-tokens bounds the KV pool
+    anyway, a fixed --mem-fraction-static is given rather than SGLang's derivation, which reserves
+    activations for a whole unchunked prompt when chunking is off. Overlap scheduling (the next step's slot
     allocation, which may evict, would run beside the current forward) is turned off on every
     device: SGLang 0.5.23 keeps it on for the CPU too. On a GPU, CUDA graphs (sparse metadata is
     rebuilt in Python every step) are turned off as well (`GPU_SPARSE_OPTIONS`).
     """
     if not config.enabled:
         return {}
-    chunk = given.get("chunked_prefill_size")
-    if chunk is not None and int(chunk) > 0:
-        raise LaunchError(
-            "chunked prefill is not supported with layer-wise sparsity yet; use --chunked-prefill-size -1"
-        )
-    if given.get("enable_mixed_chunk"):
-        raise LaunchError("--enable-mixed-chunk is not supported with layer-wise sparsity yet")
-    chosen: dict[str, object] = {} if chunk is not None else {"chunked_prefill_size": -1}
-    chosen["disable_overlap_schedule"] = True
+    chosen: dict[str, object] = {"disable_overlap_schedule": True}
     if cpu and given.get("mem_fraction_static") is None:
         chosen["mem_fraction_static"] = CPU_SPARSE_MEM_FRACTION
     if not cpu:

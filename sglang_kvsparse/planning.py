@@ -32,8 +32,8 @@ class ColumnPlan:
     N requests that evict this step, `evict_score_slots` their score slots; the forward keeps
     `budget` of them in the first `budget` rows.
     Prefill with the prefix store: `prefix_slots` (the matched prefixes' store rows, request-major,
-    aligned with `ForwardPlan.prefix_positions`) and `store_slots` (where the batch's first
-    `len(store_slots)` new tokens are stored for later hits).
+    aligned with `ForwardPlan.prefix_positions`) and `store_slots` (where the new tokens at
+    `ForwardPlan.store_positions` are stored, for later hits or the prompt's next chunk).
     """
 
     kv_indptr: torch.Tensor
@@ -56,7 +56,10 @@ class ForwardPlan:
     A prefill attends over each request's whole sequence, prefix then new tokens, laid out
     request-major with boundaries `kv_indptr` (`qo_indptr` when no request has a prefix).
     `prefix_positions`/`new_positions` say where the prefixes' store entries and the batch's new
-    tokens go in that layout (None when no request has a prefix).
+    tokens go in that layout (None when no request has a prefix). `keeps` [B] (None: all) marks
+    the requests that keep entries: a chunk before a prompt's last keeps none (its tokens are
+    only stored), and `kept_positions` are then the sequence positions of the requests that do.
+    `store_positions`: which of the batch's new tokens the columns' `store_slots` store.
     """
 
     qo_indptr: torch.Tensor
@@ -66,9 +69,22 @@ class ForwardPlan:
     kv_indptr: torch.Tensor | None = None
     prefix_positions: torch.Tensor | None = None
     new_positions: torch.Tensor | None = None
+    keeps: torch.Tensor | None = None
+    kept_positions: torch.Tensor | None = None
+    store_positions: torch.Tensor | None = None
 
     def column(self, slot: SparseSlot) -> ColumnPlan:
         return self.columns[slot.group][slot.column]
+
+
+@dataclass(frozen=True)
+class MixedPlan:
+    """A prefill and running requests' decode step in one forward (SGLang's mixed chunk): the
+    batch's first `extend_tokens` tokens are the prefill's, one token per decoding row follows."""
+
+    extend: ForwardPlan
+    decode: ForwardPlan
+    extend_tokens: int
 
 
 def plan_extend(
@@ -80,37 +96,46 @@ def plan_extend(
     new_ids: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
 ) -> ForwardPlan:
-    """Plan a prefill: every row is new and keeps min(length, budget) entries of its whole
-    sequence (cached prefix + new tokens).
+    """Plan a prefill: every row keeps min(length, budget) entries of its whole sequence (cached
+    prefix + new tokens), but for a chunk before its prompt's last (`SparseState.partial`),
+    which keeps none and stores its tokens.
 
     With the prefix store, `prefix_ids` (per row, SGLang's full-pool ids of its matched prefix)
     and `new_ids` (the batch's new tokens' ids, request-major) are required: the prefixes' store
-    rows are looked up (pinned at admission, so they are there) and the new tokens get store rows
-    where the heap has room.
+    rows are looked up (pinned at admission or held since the previous chunk, so they are there),
+    a chunk's tokens are stored (admission charged their rows) and the other new tokens get store
+    rows where the heap has room.
     """
     prefix_lens = [int(n) for n in prefix_lens]
     extend_lens = [int(n) for n in extend_lens]
     if any(prefix_lens) and state.store is None:
         raise HeapError("an extend with a cached prefix reached the sparse layers without a prefix store")
-    state.counters.forward_plans += 1
-    state.counters.prefix_hits += sum(1 for n in prefix_lens if n)
-    state.counters.prefix_tokens_reused += sum(prefix_lens)
     index = torch.tensor(list(rows), dtype=torch.int64)
-    seq_lens = torch.tensor(prefix_lens, dtype=torch.int64) + torch.tensor(extend_lens, dtype=torch.int64)
-    prefix_rows = store_rows = None
+    partial = state.partial[index]
+    hits = [n for n, row in zip(prefix_lens, rows) if n and not state.continues_chunks(int(row))]
+    state.counters.forward_plans += 1
+    state.counters.chunks_stored += int(partial.sum())
+    state.counters.prefix_hits += len(hits)
+    state.counters.prefix_tokens_reused += sum(hits)
+    prefix = torch.tensor(prefix_lens, dtype=torch.int64)
+    extend = torch.tensor(extend_lens, dtype=torch.int64)
+    seq_lens = prefix + extend
+    prefix_rows = store_rows = store_positions = None
     if state.store is not None:
         if new_ids is None or len(prefix_ids) != len(index):
             raise HeapError("a prefill with the prefix store needs every row's prefix ids and the new ids")
-        prefix_rows, store_rows = _use_store(state, prefix_ids, new_ids)
+        prefix_rows, store_rows, store_positions = _use_store(state, index, prefix_ids, new_ids, extend)
+    elif bool(partial.any()):
+        raise HeapError("a chunked prefill reached the sparse layers without a prefix store")
     columns = []
     for group in state.groups:
-        kept = seq_lens.clamp(max=group.spec.budget)
+        kept = torch.where(partial, 0, seq_lens.clamp(max=group.spec.budget))
         if not torch.equal(group.table.lengths[index], kept):
             raise HeapError(
                 f"sparse rows hold {group.table.lengths[index].tolist()} entries for a prefill keeping {kept.tolist()}"
             )
         indptr, indices, scores = _indices(state, group, index, device)
-        compress = bool((seq_lens > group.spec.budget).any())
+        compress = bool((seq_lens[~partial] > group.spec.budget).any())
         plans = []
         for c in range(group.columns):
             column = group.first_column + c
@@ -129,18 +154,24 @@ def plan_extend(
             )
         columns.append(tuple(plans))
     plan = ForwardPlan(
-        _indptr(torch.tensor(extend_lens), device), tuple(columns), state.config.sink, state.config.window
+        _indptr(extend, device),
+        tuple(columns),
+        state.config.sink,
+        state.config.window,
+        store_positions=None if store_positions is None else store_positions.to(device),
     )
+    state.prefilled[index[~partial]] = True
+    if bool(partial.any()):
+        kept_positions = _ranges(_indptr(seq_lens, "cpu")[:-1][~partial], seq_lens[~partial])
+        plan = dataclasses.replace(plan, keeps=(~partial).to(device), kept_positions=kept_positions.to(device))
     if not any(prefix_lens):
         return plan
-    starts = _indptr(seq_lens, "cpu")[:-1].tolist()
-    prefix_positions = torch.cat([torch.arange(p) + s for p, s in zip(prefix_lens, starts)])
-    new_positions = torch.cat([torch.arange(e) + s + p for p, e, s in zip(prefix_lens, extend_lens, starts)])
+    starts = _indptr(seq_lens, "cpu")[:-1]
     return dataclasses.replace(
         plan,
         kv_indptr=_indptr(seq_lens, device),
-        prefix_positions=prefix_positions.to(device),
-        new_positions=new_positions.to(device),
+        prefix_positions=_ranges(starts, prefix).to(device),
+        new_positions=_ranges(starts + prefix, extend).to(device),
     )
 
 
@@ -188,18 +219,52 @@ def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | 
 
 
 def _use_store(
-    state: SparseState, prefix_ids: Sequence[torch.Tensor], new_ids: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the prefixes' store rows, the new tokens' store rows), each [num_columns, n], on the host."""
+    state: SparseState,
+    index: torch.Tensor,
+    prefix_ids: Sequence[torch.Tensor],
+    new_ids: torch.Tensor,
+    extend: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the prefixes' store rows [num_columns, n_prefix], the stored new tokens' store rows
+    [num_columns, n_stored], those tokens' positions among the batch's new tokens [n_stored]).
+
+    The tokens of chunks before a prompt's last are stored first and must be (admission charged
+    their rows); then, best effort, the other new tokens in batch order. A chunk's request then
+    holds its prompt so far for its next chunk, and a last chunk's held blocks are pinned for
+    this forward."""
     store = state.store
     parts = [ids.to("cpu", torch.int64) for ids in prefix_ids]
     prefix = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
     prefix_rows = store.lookup(prefix)
     store.touch(prefix)
     new = new_ids.to("cpu", torch.int64)
-    wanted = -(-new.numel() // store.page_size) * store.rows_per_block
-    stored = store.put(new, state.take_for_store(wanted))
-    return prefix_rows.T, stored.T
+    partial = state.partial[index]
+    chunk_tokens = partial.repeat_interleave(extend)
+    must, rest = torch.nonzero(chunk_tokens).flatten(), torch.nonzero(~chunk_tokens).flatten()
+    blocks = -(-must.numel() // store.page_size)
+    chunk_rows = store.put(new[must], state.take(blocks * store.rows_per_block)) if must.numel() else None
+    if chunk_rows is not None and chunk_rows.shape[0] != must.numel():
+        raise HeapError(f"the prefix store took {chunk_rows.shape[0]} of a chunk's {must.numel()} tokens")
+    wanted = -(-rest.numel() // store.page_size) * store.rows_per_block
+    stored = store.put(new[rest], state.take_for_store(wanted)) if rest.numel() else None
+    row_parts = [r for r in (chunk_rows, stored) if r is not None]
+    rows = torch.cat(row_parts) if row_parts else torch.empty(0, store.columns, dtype=torch.int64)
+    positions = torch.cat([must, rest[: 0 if stored is None else stored.shape[0]]])
+    news = new.split(extend.tolist())
+    for b, row in enumerate(index.tolist()):
+        if partial[b]:
+            state.hold_for_next_chunk(row, torch.cat([parts[b], news[b]]))
+        else:
+            state.read_held(row)
+    return prefix_rows.T, rows.T, positions
+
+
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """start..start+length-1 for each pair, concatenated."""
+    if lengths.numel() == 0:
+        return torch.empty(0, dtype=torch.int64)
+    offsets = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths).repeat_interleave(lengths)
+    return starts.repeat_interleave(lengths) + offsets
 
 
 def _indices(

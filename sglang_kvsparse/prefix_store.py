@@ -18,13 +18,18 @@ K/V, and only read after that; a request that reuses them copies what it keeps i
 Memory: the store's rows are heap rows it borrowed; they count as free for admission, and the
 heap takes them back, least recently used first (a prefix's tail before its head), whenever an
 owner needs rows (`reclaim`). Blocks a step's prefill will read are pinned from admission until
-that forward has been issued.
+that forward has been issued. A prompt prefilled in chunks *holds* its blocks from the chunk
+that stored them until its last chunk has read them: they are that request's only copy of its
+earlier chunks' sparse-layer K/V, not a cache entry.
 
 Validity: an entry is valid while SGLang holds its full-pool id for that token (a running request
 or the radix tree). When SGLang frees the id, `forget` drops the entry, and a block whose entries
 are all gone gives its rows back. Only prefill-computed K/V are stored: a decoded token's
 sparse-layer K/V depend on what the layers below evicted, so reusing them would change a later
-request's output; `valid_prefix_len` stops at the first token without an entry.
+request's output; `valid_prefix_len` stops at the first token without an entry. When SGLang's
+tree already holds a token under another id (an earlier request's, often a decoded one) and frees
+the id a prefill just wrote, the entry moves to the tree's id (`adopt`): the K/V are the prefill's
+either way, and the next turn of a conversation can reuse them.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class PrefixStore:
         self.live = torch.zeros(blocks, dtype=torch.int64)  # valid entries per block
         self.last_use = torch.full((blocks,), -1, dtype=torch.int64)  # -1: free block
         self.pins = torch.zeros(blocks, dtype=torch.int64)
+        self.holds = torch.zeros(blocks, dtype=torch.int64)  # chunked prompts still to read the block
         self._free = list(range(max_blocks, 0, -1))
         self._clock = 0
 
@@ -62,7 +68,7 @@ class PrefixStore:
 
     def reclaimable_rows(self) -> int:
         """Heap rows the store would give back on demand (its unpinned blocks')."""
-        return int(((self.last_use >= 0) & (self.pins == 0)).sum()) * self.rows_per_block
+        return int(self._reclaimable().sum()) * self.rows_per_block
 
     def valid_prefix_len(self, full_ids: torch.Tensor) -> int:
         """How many leading ids have an entry."""
@@ -79,8 +85,13 @@ class PrefixStore:
 
     def unpinned_rows_of(self, full_ids: torch.Tensor) -> int:
         """Heap rows that pinning the ids would stop being reclaimable."""
-        blocks = self._blocks_of(full_ids)
-        return int((self.pins[blocks] == 0).sum()) * self.rows_per_block
+        blocks = self.blocks_of(full_ids)
+        return int(((self.pins[blocks] == 0) & (self.holds[blocks] == 0)).sum()) * self.rows_per_block
+
+    def blocks_of(self, full_ids: torch.Tensor) -> torch.Tensor:
+        """The distinct blocks holding the ids' entries (ids without one are skipped)."""
+        entries = self.entry_of[full_ids.long()]
+        return torch.unique(entries[entries > 0] // self.page_size)
 
     # -- updates ---------------------------------------------------------------------------
     def put(self, full_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -109,11 +120,38 @@ class PrefixStore:
 
     def pin(self, full_ids: torch.Tensor) -> None:
         """Keep the ids' blocks until `unpin` (or `unpin_all`): a prefill will read them."""
-        self.pins[self._blocks_of(full_ids)] += 1
+        self.pin_blocks(self.blocks_of(full_ids))
+
+    def pin_blocks(self, blocks: torch.Tensor) -> None:
+        self.pins[blocks] += 1
 
     def unpin(self, full_ids: torch.Tensor) -> None:
-        blocks = self._blocks_of(full_ids)
+        blocks = self.blocks_of(full_ids)
         self.pins[blocks] = (self.pins[blocks] - 1).clamp(min=0)
+
+    def hold(self, blocks: torch.Tensor) -> None:
+        """Keep `blocks` (from `blocks_of`) until `release`, even if every entry is forgotten."""
+        self.holds[blocks] += 1
+
+    def release(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Undo one `hold`; returns the heap rows of released blocks left without entries."""
+        self.holds[blocks] = (self.holds[blocks] - 1).clamp(min=0)
+        return self._drop(blocks[(self.holds[blocks] == 0) & (self.live[blocks] == 0) & (self.last_use[blocks] >= 0)])
+
+    def adopt(self, ours: torch.Tensor, theirs: torch.Tensor) -> int:
+        """SGLang's tree holds the tokens of ids `ours` under ids `theirs` (same positions) and is
+        about to free `ours`: move each entry of `ours` to its `theirs` where that has none.
+        Returns how many entries moved."""
+        ours, theirs = ours.long().reshape(-1), theirs.long().reshape(-1)
+        mine, tree = self.entry_of[ours], self.entry_of[theirs]
+        move = (ours != theirs) & (mine > 0) & (tree == 0)
+        if not bool(move.any()):
+            return 0
+        entries, targets = mine[move], theirs[move]
+        self.entry_of[ours[move]] = 0
+        self.entry_of[targets] = entries
+        self.ids[entries // self.page_size, entries % self.page_size] = targets
+        return int(move.sum())
 
     def unpin_all(self) -> None:
         self.pins.zero_()
@@ -129,7 +167,7 @@ class PrefixStore:
         blocks, offsets = entries // self.page_size, entries % self.page_size
         self.ids[blocks, offsets] = 0
         self.live.index_add_(0, blocks, torch.full_like(blocks, -1))
-        empty = torch.unique(blocks[self.live[blocks] == 0])
+        empty = torch.unique(blocks[(self.live[blocks] == 0) & (self.holds[blocks] == 0)])
         return self._drop(empty)
 
     def reclaim(self, rows: int) -> torch.Tensor:
@@ -137,7 +175,7 @@ class PrefixStore:
         can go); returns their heap rows."""
         if rows <= 0:
             return torch.empty(0, dtype=torch.int64)
-        candidates = torch.nonzero((self.last_use >= 0) & (self.pins == 0)).flatten()
+        candidates = torch.nonzero(self._reclaimable()).flatten()
         need = -(-rows // self.rows_per_block)
         oldest = candidates[torch.argsort(self.last_use[candidates], stable=True)[:need]]
         return self._drop(oldest)
@@ -145,12 +183,12 @@ class PrefixStore:
     def clear(self) -> torch.Tensor:
         """Drop everything (SGLang flushed its cache); returns every heap row the store held."""
         self.unpin_all()
+        self.holds.zero_()
         return self._drop(torch.nonzero(self.last_use >= 0).flatten())
 
     # -- internals -------------------------------------------------------------------------
-    def _blocks_of(self, full_ids: torch.Tensor) -> torch.Tensor:
-        entries = self.entry_of[full_ids.long()]
-        return torch.unique(entries[entries > 0] // self.page_size)
+    def _reclaimable(self) -> torch.Tensor:
+        return (self.last_use >= 0) & (self.pins == 0) & (self.holds == 0)
 
     def _drop(self, blocks: torch.Tensor) -> torch.Tensor:
         """Free `blocks`: clear the entries still pointing into them, return their heap rows."""
@@ -165,6 +203,7 @@ class PrefixStore:
         self.live[blocks] = 0
         self.last_use[blocks] = -1
         self.pins[blocks] = 0
+        self.holds[blocks] = 0
         self._free.extend(blocks.tolist())
         return rows
 

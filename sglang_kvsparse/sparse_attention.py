@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from sglang_kvsparse import kernels
-from sglang_kvsparse.planning import ColumnPlan, ForwardPlan
+from sglang_kvsparse.layout import SparseSlot
+from sglang_kvsparse.planning import ColumnPlan, ForwardPlan, MixedPlan
 from sglang_kvsparse.policies import PrefillScoringInputs, ScoringPolicy
 from sglang_kvsparse.sparse_state import LaneBuffers
 
@@ -34,7 +35,8 @@ def sparse_extend(
     the observation window's attention, pooled), `select_kept` keeps sink + window + the best up to
     the budget per KV head, and the kept K/V and scores are scattered into the row's slots.
     Either way the prefix was read, not written: the row gets copies. The new tokens' K/V also go
-    to their store slots, for later requests that share this prompt. Returns [T, H_q, D].
+    to their store slots, for later requests that share this prompt; a chunk before its prompt's
+    last is only stored (`plan.keeps`). Returns [T, H_q, D].
     """
     k_all, v_all, kv_indptr = sequence_kv(k, v, plan, column, buffers)
     positions = torch.arange(k_all.shape[0], device=k.device, dtype=torch.int64)
@@ -42,15 +44,18 @@ def sparse_extend(
         q, k_all, v_all, plan.qo_indptr, kv_indptr, positions, sm_scale, with_stats=column.compress
     )
     if column.store_slots is not None and column.store_slots.numel():
-        stored = column.store_slots.numel()
-        _store(buffers, column.store_slots, k[:stored], v[:stored])
+        _store(buffers, column.store_slots, k[plan.store_positions], v[plan.store_positions])
     if not column.compress:
+        if plan.kept_positions is not None:
+            k_all, v_all = k_all[plan.kept_positions], v_all[plan.kept_positions]
         _store(buffers, column.new_slots, k_all, v_all)
         buffers.scores[column.new_score_slots] = 0.0
         return o
     inputs = PrefillScoringInputs(q, k_all, lse, plan.qo_indptr, kv_indptr, positions, sm_scale, plan.window)
     scores = policy.score(inputs)
     kept, kept_lens = kernels.select_kept(scores, kv_indptr, column.budget, plan.sink, plan.window)
+    if plan.keeps is not None:
+        kept_lens = kept_lens * plan.keeps
     src = kept_sources(kept, kept_lens, kv_indptr)
     heads = torch.arange(k.shape[1], device=k.device)[None, :]
     dst = column.new_slots[:, None]
@@ -148,6 +153,25 @@ def evict(
         score_src=sources(old_scores),
         score_dst=old_scores[:, :budget].reshape(-1),
     )
+
+
+def sparse_mixed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sm_scale: float,
+    plan: MixedPlan,
+    slot: SparseSlot,
+    buffers: LaneBuffers,
+    policy: ScoringPolicy,
+) -> torch.Tensor:
+    """A mixed forward: `sparse_extend` for the prefill's tokens, then `sparse_decode` for the
+    decoding rows' (one each); [T, H_q, D] in the batch's order."""
+    n = plan.extend_tokens
+    prefill = plan.extend
+    o_extend = sparse_extend(q[:n], k[:n], v[:n], sm_scale, prefill, prefill.column(slot), buffers, policy)
+    o_decode = sparse_decode(q[n:], k[n:], v[n:], sm_scale, plan.decode, plan.decode.column(slot), buffers)
+    return torch.cat([o_extend, o_decode.view(-1, *o_extend.shape[1:])])
 
 
 def _store(buffers: LaneBuffers, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -8,7 +8,11 @@ themselves come from the one KV heap (`HeapRows`: SGLang's token allocator), sha
 full layers.
 
 Lifecycle of a row in one group: a prefill keeps min(length, budget) entries (the forward fills
-them, compressing when the prompt is longer than the budget); each decode step appends one. When
+them, compressing when the prompt is longer than the budget); each decode step appends one. A
+prompt prefilled in chunks (SGLang's chunked prefill) keeps nothing until its last chunk: each
+earlier chunk's sparse-layer K/V go to the prefix store, held for the request (`partial` rows),
+and the last chunk reads them back as a cached prefix, so it selects with the whole prompt in
+view exactly as an unchunked prefill would. When
 a row holds `max_entries` (budget + evict_page), the step first evicts: the row is cut back to
 `budget` entries here, and the forward moves the `budget` best-scored of the old entries into the
 kept positions before it writes the new token (`planning.plan_decode` hands the old rows over).
@@ -29,6 +33,8 @@ heap is never promised twice.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +89,8 @@ class Counters:
     evictions: int = 0  # (request, group) evictions handed to decode forwards
     prefix_hits: int = 0
     prefix_tokens_reused: int = 0
+    chunks_stored: int = 0  # prefill chunks before a prompt's last, kept whole in the store
+    store_entries_adopted: int = 0  # store entries moved to the tree's id for the same token
     requests_running_peak: int = 0
 
 
@@ -128,6 +136,11 @@ class SparseState:
         self.logical = torch.zeros(max_requests, dtype=torch.int64)  # each row's sequence length
         self.running = torch.zeros(max_requests, dtype=torch.bool)  # rows holding a request now
         self.final_len = torch.zeros(max_requests, dtype=torch.int64)  # expected final length, 0: unknown
+        self.fill_len = torch.zeros(max_requests, dtype=torch.int64)  # length its prefill reaches, 0: unknown
+        self.partial = torch.zeros(max_requests, dtype=torch.bool)  # rows between chunks of their prefill
+        self.prefilled = torch.zeros(max_requests, dtype=torch.bool)  # rows whose prefill was planned: decoding
+        self._held: dict[int, torch.Tensor] = {}  # partial row -> the store blocks it holds
+        self._forgets: list[torch.Tensor] | None = None  # SGLang frees held back (`adopting`)
         self.counters = Counters()
         self._deferred: list[torch.Tensor] = []  # evicted rows to give back after the forward
 
@@ -137,13 +150,15 @@ class SparseState:
         checked and the heap rows taken before anything changes."""
         rows = req_pool_indices_cpu.to(torch.int64).reshape(-1)
         targets = target_seq_lens_cpu.to(torch.int64).reshape(-1)
-        new = ~self.running[rows]
-        stepping = rows[~new]
-        if bool((targets[~new] != self.logical[stepping] + 1).any()):
+        prefilling = ~self.running[rows] | self.partial[rows]
+        stepping = rows[~prefilling]
+        if bool((targets[~prefilling] != self.logical[stepping] + 1).any()):
             raise HeapError("a running row grows by more than one token: only one decode token per step is supported")
+        chunk = prefilling & (targets < self.fill_len[rows])  # a chunk before the prompt's last
+        new = prefilling & ~chunk
         plans = [self._growth(group, rows[new], targets[new], stepping) for group in self.groups]
         total = sum(pages for pages, _ in plans) * self.page_size
-        taken = self._take(total) if total else torch.empty(0, dtype=torch.int64)
+        taken = self.take(total) if total else torch.empty(0, dtype=torch.int64)
         offset = 0
         for group, (pages, evicting) in zip(self.groups, plans):
             mine = taken[offset : offset + pages * self.page_size]
@@ -151,6 +166,7 @@ class SparseState:
             self._grow(group, rows[new], targets[new], stepping, evicting, mine)
         self.logical[rows] = targets
         self.running[rows] = True
+        self.partial[rows[prefilling]] = chunk[prefilling]
         self.counters.requests_running_peak = max(self.counters.requests_running_peak, self.requests_running())
 
     def free(self, row: int) -> None:
@@ -158,6 +174,10 @@ class SparseState:
         self.logical[row] = 0
         self.running[row] = False
         self.final_len[row] = 0
+        self.fill_len[row] = 0
+        self.partial[row] = False
+        self.prefilled[row] = False
+        self._release_held(row)
         for group in self.groups:
             group.evictions.pop(row, None)
             if group.table.is_active(row):
@@ -166,10 +186,14 @@ class SparseState:
                 self.heap.give(group.score_table[row].reshape(-1))
                 group.score_table[row] = 0
 
-    def expect(self, rows: list[int], final_lens: list[int]) -> None:
+    def expect(self, rows: list[int], final_lens: list[int], fill_lens: list[int] | None = None) -> None:
         """The requests SGLang just gave these rows will reach at most these lengths (their
-        prompt and max new tokens): those that outgrow a group's budget get score rows there."""
-        self.final_len[torch.tensor(rows, dtype=torch.int64)] = torch.tensor(final_lens, dtype=torch.int64)
+        prompt and max new tokens): those that outgrow a group's budget get score rows there.
+        `fill_lens`: the lengths their prefills reach (a shorter allocation is a chunk)."""
+        index = torch.tensor(rows, dtype=torch.int64)
+        self.final_len[index] = torch.tensor(final_lens, dtype=torch.int64)
+        if fill_lens is not None:
+            self.fill_len[index] = torch.tensor(fill_lens, dtype=torch.int64)
 
     def clear(self) -> None:
         """Release every row, the deferred evictions and the prefix store, giving rows back."""
@@ -189,6 +213,10 @@ class SparseState:
         self.logical.zero_()
         self.running.zero_()
         self.final_len.zero_()
+        self.fill_len.zero_()
+        self.partial.zero_()
+        self.prefilled.zero_()
+        self._held.clear()
         self._deferred.clear()
         if self.store is not None:
             self.store.clear()
@@ -206,8 +234,55 @@ class SparseState:
 
     def forget_full_ids(self, full_ids: torch.Tensor) -> None:
         """SGLang freed these ids: their prefix-store entries are dead."""
-        if self.store is not None:
+        if self.store is None:
+            return
+        if self._forgets is not None:
+            self._forgets.append(full_ids.to("cpu"))
+        else:
             self.heap.give(self.store.forget(full_ids.to("cpu")))
+
+    @contextmanager
+    def adopting(self) -> Iterator[None]:
+        """Around one insert into SGLang's tree, which frees the duplicates it finds while it
+        walks: their prefix-store entries are forgotten only after `adopt_store_entries`."""
+        self._forgets = []
+        try:
+            yield
+        finally:
+            freed, self._forgets = self._forgets, None
+            for ids in freed:
+                self.forget_full_ids(ids)
+
+    def adopt_store_entries(self, ours: torch.Tensor, theirs: torch.Tensor) -> None:
+        """SGLang's tree keeps ids `theirs` for the tokens of ids `ours` and frees `ours`: their
+        prefill-computed entries move to the tree's ids (`PrefixStore.adopt`)."""
+        if self.store is not None:
+            self.counters.store_entries_adopted += self.store.adopt(ours.to("cpu"), theirs.to("cpu"))
+
+    def hold_for_next_chunk(self, row: int, full_ids: torch.Tensor) -> None:
+        """The request in `row` continues its prefill in a later chunk that reads these ids (its
+        prompt so far): hold their store blocks until then, in place of what it held before."""
+        blocks = self.store.blocks_of(full_ids)
+        self.store.hold(blocks)
+        self._release_held(row)
+        self._held[row] = blocks
+
+    def continues_chunks(self, row: int) -> bool:
+        """Whether the request in `row` is past the first chunk of a chunked prefill."""
+        return row in self._held
+
+    def read_held(self, row: int) -> None:
+        """The request in `row` is in its last chunk: what it held is pinned for this forward,
+        after which it is an ordinary cache entry."""
+        blocks = self._held.get(row)
+        if blocks is not None:
+            self.store.pin_blocks(blocks)
+            self._release_held(row)
+
+    def _release_held(self, row: int) -> None:
+        blocks = self._held.pop(row, None)
+        if blocks is not None:
+            self.heap.give(self.store.release(blocks))
 
     def finish_forward(self) -> None:
         """The step's forward has been issued: give back the rows its evictions read, and unpin
@@ -222,6 +297,24 @@ class SparseState:
     def rows_to_hold(self, final_len: int) -> int:
         """Most heap rows a request reaching `final_len` tokens holds in the sparse columns."""
         return sum(self.layout.sparse_rows(group.spec, final_len) for group in self.groups)
+
+    def prefill_peak_rows(self, prompt_len: int, chunk_size: int | None) -> int:
+        """Most heap rows a prompt's prefill holds: its SGLang ids and entries, and, prefilled in
+        chunks of `chunk_size`, its earlier chunks in the prefix store (bounded by the whole
+        prompt) until the last chunk has read them."""
+        held = self.layout.rows_held(prompt_len)
+        if chunk_size is None or chunk_size <= 0 or prompt_len <= chunk_size or self.store is None:
+            return held
+        return held + self.store.rows_per_block * -(-prompt_len // self.page_size)
+
+    def prefill_charge(self, prefix_len: int, end: int, fill_len: int, final_len: int) -> int:
+        """Heap rows a prefill of tokens [prefix_len, end) of a request whose prefill reaches
+        `fill_len` takes beyond SGLang's own ids: a chunk before the last stores its tokens in the
+        prefix store (whole blocks), the last chunk (or the whole prompt) the request's entries."""
+        if end >= fill_len or self.store is None:
+            return self.rows_to_hold(final_len)
+        blocks = -(-(end - prefix_len) // self.page_size)
+        return blocks * self.store.rows_per_block
 
     def rows_held(self, row: int) -> int:
         """Heap rows the request in `row` holds in the sparse columns now (scores included)."""
@@ -338,7 +431,7 @@ class SparseState:
             self._deferred.append(table.shrink(row, spec.budget))
         table.append(stepping, rows[offset:])
 
-    def _take(self, rows: int) -> torch.Tensor:
+    def take(self, rows: int) -> torch.Tensor:
         """`rows` heap rows for request entries, making room first; raises HeapExhausted (changing
         nothing held) when even that leaves too few: admission promised more than the heap has."""
         self._make_room(rows)

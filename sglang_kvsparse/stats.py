@@ -67,6 +67,8 @@ class SparseStats:
     prefix_cache: bool
     prefix_hits: int
     prefix_tokens_reused: int
+    chunks_stored: int  # prefill chunks before a prompt's last, kept whole in the prefix store
+    store_entries_adopted: int  # prompt tokens' entries moved to the radix tree's ids (conversations)
     requests_running: int
     requests_running_peak: int
     forward_plans: int
@@ -127,6 +129,8 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
         prefix_cache=state.store is not None,
         prefix_hits=state.counters.prefix_hits,
         prefix_tokens_reused=state.counters.prefix_tokens_reused,
+        chunks_stored=state.counters.chunks_stored,
+        store_entries_adopted=state.counters.store_entries_adopted,
         requests_running=len(running),
         requests_running_peak=state.counters.requests_running_peak,
         forward_plans=state.counters.forward_plans,

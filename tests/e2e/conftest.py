@@ -4,14 +4,17 @@
 - "sparse": the project's launcher with sparse layers whose budgets cover every length (lossless);
 - "evicting": sparse layers with a budget of 256 that really evict, in a KV pool small enough
   (`EVICTING_ARGS`) that concurrent requests force SGLang to retract;
+- "unchunked": the evicting server's settings without chunked prefill;
 - "stock": stock SGLang.
 
 All serve the embedded default model in float32 with the same KV pool, so any difference in their
-greedy outputs is the project's doing. Stock runs without chunked prefill, as the sparse server
-must (`SPARSE_BASELINE_ARGS`), so that a batch is prefilled the same way on both.
+greedy outputs is the project's doing. All but "unchunked" prefill in chunks of 512 tokens with
+mixed chunks (`CHUNK_ARGS`), so that a batch is prefilled the same way on each.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -21,10 +24,13 @@ from sglang_kvsparse.serving_defaults import CPU_MAX_TOTAL_TOKENS, gpu_available
 
 from .servers import PYTHON, Server, server_env
 
-COMMON_ARGS = ["--dtype", "float32", "--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS)]
+#: Chunked prefill as the issue asks it on the CPU: 512 tokens, decode steps mixed into prefills.
+CHUNK_ARGS = ["--chunked-prefill-size", "512", "--enable-mixed-chunk"]
+
+COMMON_ARGS = ["--dtype", "float32", "--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS), *CHUNK_ARGS]
 
 #: What the launcher adds for a sparse server on the CPU, given to stock as well.
-SPARSE_BASELINE_ARGS = ["--chunked-prefill-size", "-1", "--mem-fraction-static", str(CPU_SPARSE_MEM_FRACTION)]
+SPARSE_BASELINE_ARGS = ["--mem-fraction-static", str(CPU_SPARSE_MEM_FRACTION)]
 
 #: Sparse layers 2..29 with a budget of the whole context: nothing may change in the outputs.
 LOSSLESS_SPARSITY = ["--kvsparse-full-layers", "0,1", "--kvsparse-budget", "8192"]
@@ -45,6 +51,7 @@ EVICTING_ARGS = [
     "--kvsparse-budget",
     str(EVICTING_BUDGET),
     "--enable-metrics",
+    "--enable-cache-report",
 ]
 RETRACTING_ENV = {"SGLANG_INIT_NEW_TOKEN_RATIO": "0.05"}
 
@@ -77,9 +84,15 @@ def servers(model_path, tmp_path_factory):
         ),
         "evicting": Server(
             "evicting",
-            [PYTHON, "-m", "sglang_kvsparse.launch_server", *EVICTING_ARGS],
+            [PYTHON, "-m", "sglang_kvsparse.launch_server", *EVICTING_ARGS, *CHUNK_ARGS],
             log_dir,
             {**server_env(), **RETRACTING_ENV},
+        ),
+        "unchunked": Server(
+            "unchunked",
+            [PYTHON, "-m", "sglang_kvsparse.launch_server", *EVICTING_ARGS, "--chunked-prefill-size", "-1"],
+            log_dir,
+            server_env(),
         ),
         "stock": Server("stock", [PYTHON, "-m", "sglang.launch_server", *stock_args], log_dir, stock_env),
     }
@@ -88,8 +101,8 @@ def servers(model_path, tmp_path_factory):
             server.wait_ready()
         yield started
     finally:
-        for server in started.values():
-            server.stop()
+        with ThreadPoolExecutor(len(started)) as pool:  # each takes seconds to shut down
+            list(pool.map(lambda server: server.stop(), started.values()))
 
 
 @pytest.fixture(scope="session")

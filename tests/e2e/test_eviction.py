@@ -30,7 +30,11 @@ def _assert_idle_with_every_slot_back(server) -> dict:
     return stats
 
 
-def test_sparse_layers_hold_at_most_budget_plus_a_page_while_decoding(evicting_server):
+def test_sparse_layers_hold_at_most_budget_plus_a_page_while_decoding(servers):
+    """On the evicting server's settings without chunked prefill: a chunked ~3,000-token prompt
+    would hold its earlier chunks' sparse K/V (42,000 rows) until its last chunk, more than this
+    small heap has, so the chunked server refuses it up front."""
+    evicting_server = servers["unchunked"]
     payload = {
         "text": long_prompt(13000),
         "sampling_params": {"max_new_tokens": 80, "temperature": 0, "ignore_eos": True},

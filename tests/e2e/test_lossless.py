@@ -3,7 +3,8 @@
 The sparse server runs layers 2..29 through the project's path (own slot pools and index maps,
 attention through `sglang_kvsparse.kernels`), layers 0 and 1 through the stock backend. With
 nothing to evict, any difference from stock SGLang is a plumbing bug, with or without radix-cache
-hits. Afterwards no request may hold a sparse slot (`/kvsparse/stats`).
+hits, prompts chunked (512 tokens, mixed chunks, as stock here) or not. Afterwards no request may
+hold a sparse slot (`/kvsparse/stats`).
 """
 
 import pytest
@@ -19,7 +20,7 @@ MAX_NEW_TOKENS = 24
 def test_sparse_layers_with_full_budgets_match_stock(sparse_server, stock_server):
     before = sparse_server.stats()
     assert before["enabled"] and [row["layer"] for row in before["layers"] if row["kind"] == "full"] == [0, 1]
-    prompts = [*SHORT_PROMPTS, long_prompt(10000)]
+    prompts = [*SHORT_PROMPTS, long_prompt(10000), long_prompt(16000)[8000:]]  # two of several chunks
     ours = sparse_server.generate_all(prompts, MAX_NEW_TOKENS)
     stock = stock_server.generate_all(prompts, MAX_NEW_TOKENS)
     assert max(o["meta_info"]["prompt_tokens"] for o in ours) > 2000

@@ -47,10 +47,6 @@ def test_port_in_use():
         (["--kvsparse-budget", "20"], "--kvsparse-budget: 20 is smaller than sink + window"),
         (["--kvsparse-config", '{"policy": "nope"}'], "unknown policy"),
         (["--kvsparse-preset", "off", "--kvsparse-budget", "512"], "has no effect while sparsity is off"),
-        (
-            ["--kvsparse-budget", "8192", "--chunked-prefill-size", "512"],
-            "chunked prefill is not supported with layer-wise sparsity yet",
-        ),
     ],
 )
 def test_invalid_sparsity_option(args, expected):

@@ -22,24 +22,13 @@ def test_every_preset_fits_the_model_and_bad_layers_are_refused_in_one_line():
         validate_for_model(SparsityConfig(full_layers=(0, 30), budget=512), SHAPE)
 
 
-def test_sparse_servers_get_no_chunking_no_overlap_and_a_memory_fraction_on_the_cpu():
+def test_sparse_servers_keep_sglangs_chunking_get_no_overlap_and_a_memory_fraction_on_the_cpu():
     assert sparse_sglang_defaults(PRESETS["off"], {}, cpu=True) == {}
     no_overlap = {"disable_overlap_schedule": True}
     assert sparse_sglang_defaults(LOSSLESS, {}, cpu=True) == {
-        "chunked_prefill_size": -1,
         "mem_fraction_static": CPU_SPARSE_MEM_FRACTION,
         **no_overlap,
     }
-    given = {"chunked_prefill_size": -1, "mem_fraction_static": 0.5}
+    given = {"mem_fraction_static": 0.5}
     assert sparse_sglang_defaults(LOSSLESS, given, cpu=True) == no_overlap
-    assert sparse_sglang_defaults(LOSSLESS, {}, cpu=False) == {
-        "chunked_prefill_size": -1,
-        **no_overlap,
-        **GPU_SPARSE_OPTIONS,
-    }
-
-
-@pytest.mark.parametrize("given", [{"chunked_prefill_size": 512}, {"enable_mixed_chunk": True}])
-def test_chunked_prefill_is_refused_with_sparsity(given):
-    with pytest.raises(LaunchError, match="not supported with layer-wise sparsity"):
-        sparse_sglang_defaults(LOSSLESS, given, cpu=True)
+    assert sparse_sglang_defaults(LOSSLESS, {}, cpu=False) == {**no_overlap, **GPU_SPARSE_OPTIONS}

@@ -115,3 +115,31 @@ def test_entries_and_rows_stay_consistent(ops):
         assert bool((store.last_use[blocks] >= 0).all())
         assert set(entries.tolist()) <= live
         assert 48 - heap.free_rows() == store.rows() + sum(t.numel() for t in taken)
+
+
+def test_adopt_moves_entries_to_the_trees_ids_for_the_same_tokens():
+    """A conversation's turn 2 prefilled turn 1's answer under new ids (20..23) that the tree,
+    holding the answer under decode-time ids (60..63, no entries), is about to free."""
+    store, heap = make(page=2)
+    rows = put(store, heap, ids(20, 24))
+    put(store, heap, ids(70, 72))  # id 70..71 already have entries of their own
+    moved = store.adopt(torch.tensor([20, 21, 22, 23, 30]), torch.tensor([60, 61, 70, 23, 31]))
+    assert moved == 2  # 22 -> 70 refused (70 has one), 23 is the same id, 30 has none
+    assert torch.equal(store.lookup(torch.tensor([60, 61])), rows[:2])
+    assert store.valid_prefix_len(torch.tensor([60, 61, 22, 23])) == 4
+    heap.give(store.forget(ids(20, 24)))  # SGLang frees the duplicates: 22 and 23 go, the moved stay
+    assert store.valid_prefix_len(torch.tensor([60, 61])) == 2 and store.rows() == 8
+    heap.give(store.forget(torch.tensor([60, 61, 70, 71])))
+    assert store.rows() == 0 and heap.free_rows() == 64
+
+
+def test_held_blocks_outlive_their_entries_until_released():
+    store, heap = make(page=2)
+    put(store, heap, ids(10, 14))
+    blocks = store.blocks_of(ids(10, 14))
+    store.hold(blocks)
+    assert store.reclaimable_rows() == 0 and store.reclaim(64).numel() == 0
+    assert store.forget(ids(10, 14)).numel() == 0  # a chunked prompt still reads the blocks
+    assert store.rows() == 8
+    heap.give(store.release(blocks))
+    assert store.rows() == 0 and heap.free_rows() == 64
