@@ -118,9 +118,18 @@ PROFILES: dict[str, CapacityProfile] = {
             client_timeout_s=600.0,
         ),
         CapacityProfile(
+            name="sparse-2k",
+            description="Sparse capacity check (run by the test suite): 8 requests of 2,000 + 32 tokens "
+            "into the KV bytes of a 4,096-token dense pool (2 dense requests).",
+            server=_cpu_server(4096),
+            workloads=(_one(2000, 32, 8),),
+            variants=(Variant("budget-256", PROJECT_BUDGET_256),),
+            client_timeout_s=1200.0,
+        ),
+        CapacityProfile(
             name="sparse-4k",
-            description="Sparse capacity check (run by the test suite): 8 requests of 4,000 + 32 tokens "
-            "into the KV bytes of an 8,192-token dense pool (2 dense requests).",
+            description="Sparse capacity: 8 requests of 4,000 + 32 tokens into the KV bytes of an "
+            "8,192-token dense pool (2 dense requests).",
             server=_cpu_server(8192),
             workloads=(_one(4000, 32, 8),),
             variants=(Variant("budget-256", PROJECT_BUDGET_256),),

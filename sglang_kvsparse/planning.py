@@ -228,34 +228,33 @@ def _use_store(
     """(the prefixes' store rows [num_columns, n_prefix], the stored new tokens' store rows
     [num_columns, n_stored], those tokens' positions among the batch's new tokens [n_stored]).
 
-    The tokens of chunks before a prompt's last are stored first and must be (admission charged
-    their rows); then, best effort, the other new tokens in batch order. A chunk's request then
-    holds its prompt so far for its next chunk, and a last chunk's held blocks are pinned for
-    this forward."""
+    A last chunk's held blocks are pinned for this forward; the tokens of chunks before a
+    prompt's last are stored (admission charged their rows) and their request holds its prompt so
+    far for its next chunk; only then, best effort, the other new tokens get store rows, which may
+    reclaim unpinned, unheld store blocks."""
     store = state.store
     parts = [ids.to("cpu", torch.int64) for ids in prefix_ids]
     prefix = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
     prefix_rows = store.lookup(prefix)
     store.touch(prefix)
-    new = new_ids.to("cpu", torch.int64)
     partial = state.partial[index]
+    for row in index[~partial].tolist():
+        state.read_held(row)  # pinned before any row is taken below, which may reclaim the store
+    new = new_ids.to("cpu", torch.int64)
     chunk_tokens = partial.repeat_interleave(extend)
     must, rest = torch.nonzero(chunk_tokens).flatten(), torch.nonzero(~chunk_tokens).flatten()
     blocks = -(-must.numel() // store.page_size)
     chunk_rows = store.put(new[must], state.take(blocks * store.rows_per_block)) if must.numel() else None
     if chunk_rows is not None and chunk_rows.shape[0] != must.numel():
         raise HeapError(f"the prefix store took {chunk_rows.shape[0]} of a chunk's {must.numel()} tokens")
+    news = new.split(extend.tolist())
+    for b in torch.nonzero(partial).flatten().tolist():  # held before the best-effort take below
+        state.hold_for_next_chunk(int(index[b]), torch.cat([parts[b], news[b]]))
     wanted = -(-rest.numel() // store.page_size) * store.rows_per_block
     stored = store.put(new[rest], state.take_for_store(wanted)) if rest.numel() else None
     row_parts = [r for r in (chunk_rows, stored) if r is not None]
     rows = torch.cat(row_parts) if row_parts else torch.empty(0, store.columns, dtype=torch.int64)
     positions = torch.cat([must, rest[: 0 if stored is None else stored.shape[0]]])
-    news = new.split(extend.tolist())
-    for b, row in enumerate(index.tolist()):
-        if partial[b]:
-            state.hold_for_next_chunk(row, torch.cat([parts[b], news[b]]))
-        else:
-            state.read_held(row)
     return prefix_rows.T, rows.T, positions
 
 

@@ -211,3 +211,25 @@ def test_a_conversations_next_turn_finds_the_answer_under_the_trees_ids():
         state.adopt_store_entries(new_ids[:6], answer_ids)
     assert state.store.valid_prefix_len(torch.cat([prompt_ids, answer_ids, new_ids[6:]])) == 20
     assert state.counters.store_entries_adopted == 6
+
+
+def test_a_chunk_stays_stored_when_the_same_steps_other_prompts_want_store_rows():
+    """A full heap: the best-effort store rows of the other prompt in the batch must not reclaim
+    the chunk's blocks, which are its request's only copy until its last chunk."""
+    state, heap = make_state(budget=8, window=2, prefix_cache=True, rows=56)  # 3 sparse columns
+    state.expect([1, 2], [40, 10], [20, 6])
+    ids = heap.sglang_alloc(14)
+    (q1, k1, v1), (q2, k2, v2) = sequences([8, 6])
+    # Row 1: the first 8 tokens of a 20-token prompt (24 store rows); row 2: a whole 6-token
+    # prompt (18 entry rows), whose 18 best-effort store rows do not fit.
+    forward(
+        state,
+        [1, 2],
+        [0, 0],
+        [8, 6],
+        [torch.empty(0)] * 2,
+        ids,
+        *(torch.cat(t) for t in ((q1, q2), (k1, k2), (v1, v2))),
+    )
+    assert heap.free_rows() == 0
+    assert state.store.valid_prefix_len(ids[:8]) == 8 and state.store.valid_prefix_len(ids[8:]) == 0
