@@ -95,9 +95,11 @@ class Profile:
 
         A dummy-weights model keeps its architecture and vocabulary but gets the small shape of
         ``common.models.SHAPES["dry-run"]`` (4 layers, so gpu-novita's full layers 0-2 still fit).
+        Only the first project variant runs: the others take the same path with other flags.
         """
         return dataclasses.replace(
             self,
+            variants=self.variants[:1],
             name=f"{self.name}-dry-run",
             description=f"CPU dry run of `{self.name}` at tiny sizes (timings mean nothing). " + self.description,
             device="cpu",
