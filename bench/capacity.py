@@ -106,6 +106,20 @@ def _one(input_len: int, output_len: int, count: int) -> CapacityWorkload:
     return CapacityWorkload(f"{input_len}", (Part(input_len, output_len, count),))
 
 
+def _sparse_check(input_len: int, pool: int, note: str = "") -> CapacityProfile:
+    """8 requests of `input_len` + 32 tokens, budget 256, in the KV bytes of a `pool`-token dense
+    pool (two dense requests)."""
+    return CapacityProfile(
+        name=f"sparse-{input_len // 1000}k",
+        description=f"Sparse capacity check{note}: 8 requests of {input_len:,} + 32 tokens into the KV "
+        f"bytes of a {pool:,}-token dense pool (2 dense requests).",
+        server=_cpu_server(pool),
+        workloads=(_one(input_len, 32, 8),),
+        variants=(Variant("budget-256", PROJECT_BUDGET_256),),
+        client_timeout_s=1200.0,
+    )
+
+
 PROFILES: dict[str, CapacityProfile] = {
     profile.name: profile
     for profile in (
@@ -117,24 +131,8 @@ PROFILES: dict[str, CapacityProfile] = {
             variants=(Variant("project", PROJECT_OFF),),
             client_timeout_s=600.0,
         ),
-        CapacityProfile(
-            name="sparse-2k",
-            description="Sparse capacity check (run by the test suite): 8 requests of 2,000 + 32 tokens "
-            "into the KV bytes of a 4,096-token dense pool (2 dense requests).",
-            server=_cpu_server(4096),
-            workloads=(_one(2000, 32, 8),),
-            variants=(Variant("budget-256", PROJECT_BUDGET_256),),
-            client_timeout_s=1200.0,
-        ),
-        CapacityProfile(
-            name="sparse-4k",
-            description="Sparse capacity: 8 requests of 4,000 + 32 tokens into the KV bytes of an "
-            "8,192-token dense pool (2 dense requests).",
-            server=_cpu_server(8192),
-            workloads=(_one(4000, 32, 8),),
-            variants=(Variant("budget-256", PROJECT_BUDGET_256),),
-            client_timeout_s=1200.0,
-        ),
+        _sparse_check(2000, 4096, note=" (run by the test suite)"),
+        _sparse_check(4000, 8192),
         CapacityProfile(
             name="heap",
             description="The one KV heap against stock at every length (default model, the KV bytes "
