@@ -47,8 +47,10 @@ from sglang_kvsparse.kernels import (  # noqa: E402
 )
 from sglang_kvsparse.kernels.testing import (  # noqa: E402
     RaggedBatch,
+    as_table,
     decode_queries,
     indptr_from_lens,
+    kv_lens_of,
     make_ragged_batch,
     rel_error,
 )
@@ -324,7 +326,7 @@ def bench_decode(sizes: Sizes, device: str, reps: int, sglang_decode, report: di
             [0] * bsz, kv_lens, sizes.num_kv_heads, sizes.group, sizes.head_dim, sizes.dtype, device, seed=bsz
         )
         q = decode_queries(batch)
-        args = (q, batch.k_buf, batch.v_buf, batch.kv_indptr, batch.kv_indices)
+        args = (q, batch.k_buf, batch.v_buf, kv_lens_of(batch), as_table(batch, extra=0))
         scores, scores_ref = (torch.zeros(batch.k_buf.shape[:2], device=device) for _ in range(2))
         o = decode_attention_with_scores(*args, scores, batch.sm_scale, num_kv_splits=splits, backend="triton")
         o_ref = decode_attention_with_scores(*args, scores_ref, batch.sm_scale, backend="torch")

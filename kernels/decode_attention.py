@@ -1,7 +1,10 @@
 """Paged decode attention that also accumulates each key's attention probability into a score.
 
-One query token per request attends to all of its request's keys, read through ``kv_indices`` (a
-layer's own index map, so sparse layers can keep different slots). Split-K: stage 1 gives each
+One query token per request attends to all of its request's keys, read through its row of
+``kv_indices`` (a layer's own index map, so sparse layers can keep different slots). The rows are
+padded to one width and each request's length is in ``kv_lens``: that is the layout of a table the
+scheduler keeps per request (a slice of it, gathered on the device, is a valid input), it has a
+fixed shape for a captured CUDA graph, and nothing about it needs the host. Split-K: stage 1 gives each
 (request, KV head, split) program a contiguous chunk of keys, handles all G query heads of the KV
 head in one tile, and writes a partial output, its LSE and the raw logits to scratch. Stage 2, per
 (request, KV head, split), merges the partial LSEs into the final LSE, turns its chunk's logits into
@@ -39,6 +42,10 @@ class DecodeConfig:
     num_stages: int = 2
 
 
+#: Keys in a batch below which the torch reference's matmuls take all KV heads at once.
+_FEW_KEYS = 4096
+
+
 def default_decode_config() -> DecodeConfig:
     """Large tiles in the interpreter, whose cost scales with program count x loop steps."""
     if interpreting():
@@ -54,9 +61,11 @@ def _decode_partial_kernel(
     MID_O,
     MID_LSE,
     LOGITS,
-    kv_indptr,
+    kv_lens,
     kv_indices,
     qk_scale,
+    stride_ib,
+    stride_in,
     stride_qb,
     stride_qh,
     stride_kt,
@@ -68,7 +77,8 @@ def _decode_partial_kernel(
     stride_mos,
     stride_mlb,
     stride_mlh,
-    stride_lgt,
+    stride_lgb,
+    stride_lgn,
     GROUP: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -78,11 +88,10 @@ def _decode_partial_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    req = tl.program_id(0)
+    req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    kv_start = tl.load(kv_indptr + req)
-    kv_len = tl.load(kv_indptr + req + 1) - kv_start
+    kv_len = tl.load(kv_lens + req)
     chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, kv_len)
@@ -107,7 +116,7 @@ def _decode_partial_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + offs_n
         n_ok = n < end
-        slot = tl.load(kv_indices + kv_start + n, mask=n_ok, other=0).to(tl.int64)
+        slot = tl.load(kv_indices + req * stride_ib + n * stride_in, mask=n_ok, other=0).to(tl.int64)
         kt = tl.load(
             K + slot[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
             mask=n_ok[None, :] & d_ok[:, None],
@@ -124,7 +133,7 @@ def _decode_partial_kernel(
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # log2 units
         s = tl.where(n_ok[None, :], s, float("-inf"))
         tl.store(
-            LOGITS + (kv_start + n)[None, :].to(tl.int64) * stride_lgt + head[:, None],
+            LOGITS + req * stride_lgb + n[None, :].to(tl.int64) * stride_lgn + head[:, None],
             s,
             mask=h_ok[:, None] & n_ok[None, :],
         )
@@ -153,8 +162,10 @@ def _decode_finalize_kernel(
     MID_O,
     MID_LSE,
     LOGITS,
-    kv_indptr,
+    kv_lens,
     score_indices,
+    stride_sib,
+    stride_sin,
     stride_ob,
     stride_oh,
     stride_st,
@@ -164,7 +175,8 @@ def _decode_finalize_kernel(
     stride_mos,
     stride_mlb,
     stride_mlh,
-    stride_lgt,
+    stride_lgb,
+    stride_lgn,
     GROUP: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -173,11 +185,10 @@ def _decode_finalize_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    req = tl.program_id(0)
+    req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    kv_start = tl.load(kv_indptr + req)
-    kv_len = tl.load(kv_indptr + req + 1) - kv_start
+    kv_len = tl.load(kv_lens + req)
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < GROUP
     head = kv_head * GROUP + offs_h
@@ -222,12 +233,12 @@ def _decode_finalize_kernel(
         n = n0 + offs_n
         n_ok = n < end
         logits = tl.load(
-            LOGITS + (kv_start + n)[None, :].to(tl.int64) * stride_lgt + head[:, None],
+            LOGITS + req * stride_lgb + n[None, :].to(tl.int64) * stride_lgn + head[:, None],
             mask=h_ok[:, None] & n_ok[None, :],
             other=float("-inf"),
         )
         prob = tl.sum(tl.exp2(logits - lse[:, None]), 0)
-        slot = tl.load(score_indices + kv_start + n, mask=n_ok, other=0).to(tl.int64)
+        slot = tl.load(score_indices + req * stride_sib + n * stride_sin, mask=n_ok, other=0).to(tl.int64)
         ptr = SCORES + slot * stride_st + kv_head * stride_sh
         tl.store(ptr, tl.load(ptr, mask=n_ok, other=0.0) + prob, mask=n_ok)
 
@@ -236,7 +247,7 @@ def decode_attention_with_scores_triton(
     q: torch.Tensor,
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
-    kv_indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
     kv_indices: torch.Tensor,
     score_buf: torch.Tensor,
     sm_scale: float,
@@ -250,6 +261,7 @@ def decode_attention_with_scores_triton(
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     group = check_group(q.shape[1], k_buf.shape[1])
+    score_indices = _check_table(q, kv_lens, kv_indices, score_indices)
     cfg = config or default_decode_config()
     batch, num_q_heads, head_dim = q.shape
     o = torch.empty_like(q) if out is None else out
@@ -258,7 +270,7 @@ def decode_attention_with_scores_triton(
     dev = q.device
     mid_o = torch.empty((batch, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32, device=dev)
     mid_lse = torch.empty((batch, num_q_heads, num_kv_splits), dtype=torch.float32, device=dev)
-    logits = torch.empty((kv_indices.numel(), num_q_heads), dtype=torch.float32, device=dev)
+    logits = torch.empty((batch, kv_indices.shape[1], num_q_heads), dtype=torch.float32, device=dev)
     grid = (batch, k_buf.shape[1], num_kv_splits)
     block_d = triton.next_power_of_2(head_dim)
     block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16 on NVIDIA
@@ -269,9 +281,11 @@ def decode_attention_with_scores_triton(
         mid_o,
         mid_lse,
         logits,
-        kv_indptr,
+        kv_lens,
         kv_indices,
         sm_scale * LOG2E,
+        kv_indices.stride(0),
+        kv_indices.stride(1),
         q.stride(0),
         q.stride(1),
         k_buf.stride(0),
@@ -284,6 +298,7 @@ def decode_attention_with_scores_triton(
         mid_lse.stride(0),
         mid_lse.stride(1),
         logits.stride(0),
+        logits.stride(1),
         GROUP=group,
         NUM_SPLITS=num_kv_splits,
         HEAD_DIM=head_dim,
@@ -301,8 +316,10 @@ def decode_attention_with_scores_triton(
         mid_o,
         mid_lse,
         logits,
-        kv_indptr,
-        kv_indices if score_indices is None else score_indices,
+        kv_lens,
+        score_indices,
+        score_indices.stride(0),
+        score_indices.stride(1),
         o.stride(0),
         o.stride(1),
         score_buf.stride(0),
@@ -313,6 +330,7 @@ def decode_attention_with_scores_triton(
         mid_lse.stride(0),
         mid_lse.stride(1),
         logits.stride(0),
+        logits.stride(1),
         GROUP=group,
         NUM_SPLITS=num_kv_splits,
         HEAD_DIM=head_dim,
@@ -329,7 +347,7 @@ def decode_attention_with_scores_torch(
     q: torch.Tensor,
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
-    kv_indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
     kv_indices: torch.Tensor,
     score_buf: torch.Tensor,
     sm_scale: float,
@@ -339,30 +357,46 @@ def decode_attention_with_scores_torch(
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
-    """Plain-torch reference, one request at a time, in at least float32.
+    """Plain-torch reference in at least float32, the whole batch at once over the padded rows
+    (masked past each length), so it never asks the host for a length: the CPU server's decode
+    path has no per-request loop and no device-to-host synchronisation.
 
     ``num_kv_splits`` and ``config`` only shape the Triton launch and are accepted for signature
     parity (splitting does not change the result beyond rounding).
     """
     del num_kv_splits, config
     group = check_group(q.shape[1], k_buf.shape[1])
+    score_indices = _check_table(q, kv_lens, kv_indices, score_indices)
     o = torch.empty_like(q) if out is None else out
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
-    kv = kv_indptr.tolist()
-    score_indices = kv_indices if score_indices is None else score_indices
-    for b in range(q.shape[0]):
-        slots = kv_indices[kv[b] : kv[b + 1]].long()
-        if slots.numel() == 0:  # nothing to attend to: defined as a zero output
-            o[b] = 0
-            continue
-        k = k_buf[slots].to(acc_dtype)  # [L, H_kv, D]
-        v = v_buf[slots].to(acc_dtype)
-        qb = q[b].to(acc_dtype).unflatten(0, (k.shape[1], group))  # [H_kv, G, D]
-        logits = torch.einsum("hgd,nhd->hgn", qb, k) * sm_scale
-        probs = torch.softmax(logits, dim=-1)
-        o[b] = torch.einsum("hgn,nhd->hgd", probs, v).flatten(0, 1).to(o.dtype)
-        score_slots = score_indices[kv[b] : kv[b + 1]].long()
-        score_buf.index_add_(0, score_slots, probs.sum(dim=1).T.to(score_buf.dtype))
+    batch, width = kv_indices.shape
+    heads, dim = k_buf.shape[1], k_buf.shape[2]
+    # As few torch calls as the batch allows (on a CPU each costs more than the work at small
+    # batches): one gather per buffer (index_select takes int32 indices and is much faster than
+    # advanced indexing) and one masked softmax. The matmuls: one over all KV heads while the
+    # keys are few (its copy of them is cheap), one per KV head on strided views (which the
+    # CPU's GEMM takes without a copy) once they are many.
+    k = k_buf.index_select(0, kv_indices.reshape(-1)).view(batch, width, heads, dim).to(acc_dtype)
+    v = v_buf.index_select(0, kv_indices.reshape(-1)).view(batch, width, heads, dim).to(acc_dtype)
+    qb = q.to(acc_dtype).unflatten(1, (heads, group))  # [B, H_kv, G, D]
+    padding = (torch.arange(width, device=q.device) >= kv_lens[:, None])[:, None, None, :]  # [B, 1, 1, W]
+    out = o.view(batch, heads, group, dim)
+    few = batch * width <= _FEW_KEYS
+    if few:
+        logits = torch.matmul(qb, k.permute(0, 2, 3, 1))
+    else:
+        logits = torch.stack([torch.bmm(qb[:, h], k[:, :, h].transpose(1, 2)) for h in range(heads)], 1)
+    probs = torch.softmax(logits.mul_(sm_scale).masked_fill_(padding, float("-inf")), dim=-1)
+    probs.masked_fill_(padding, 0.0)  # a request with no keys (an all -inf row): zero output
+    if few:
+        out.copy_(torch.matmul(probs, v.transpose(1, 2)))
+    else:
+        out.copy_(torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in range(heads)], 1))
+    mass = probs.sum(dim=2).transpose(1, 2).reshape(batch * width, heads)  # [B * W, H_kv]
+    # Padding adds its zeros to slot 0, not to the slot it names (another request's, whose bytes
+    # an added zero could still change, e.g. a flushed denormal): as the kernel, which skips it.
+    slots = score_indices.masked_fill(padding[:, 0, 0, :], 0).reshape(-1)
+    score_buf.index_add_(0, slots, mass.to(score_buf.dtype))
     return o
 
 
@@ -370,7 +404,7 @@ def decode_attention_with_scores(
     q: torch.Tensor,
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
-    kv_indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
     kv_indices: torch.Tensor,
     score_buf: torch.Tensor,
     sm_scale: float,
@@ -386,13 +420,17 @@ def decode_attention_with_scores(
     Args:
         q: [B, H_q, D], one query token per request; H_q = G * H_kv.
         k_buf, v_buf: [num_slots, H_kv, D] pool buffers of one layer.
-        kv_indptr: int32 [B+1]; kv_indices: int32/int64 slots of each request's keys (no mask:
-            every listed key is visible). Each slot must appear at most once in the batch.
+        kv_lens: int32/int64 [B] keys per request.
+        kv_indices: int32/int64 [B, W] (any strides): row b's first kv_lens[b] entries are the
+            slots of request b's keys (no mask: every one is visible); entries past the length
+            are ignored but must be valid slot numbers (padding, e.g. 0). Each slot must appear
+            at most once among the batch's keys.
         score_buf: [num_score_slots, H_kv] float32, updated in place: score_buf[s, h] += sum over
             the G query heads of KV head h of softmax(q.k * sm_scale)[key], where s is the key's
-            entry in `score_indices` (aligned with kv_indices; default: kv_indices itself). Each
-            score slot must appear at most once in the batch, except slots whose scores are never
-            read (their sums are then undefined).
+            entry in `score_indices` ([B, W] aligned with kv_indices, padding valid as there;
+            default: kv_indices itself); padding's slots are never written (the torch reference
+            adds its zeros to slot 0). Each score slot must appear at most once among the
+            batch's keys, except slots whose scores are never read (their sums are then undefined).
         sm_scale: logit scale; num_kv_splits: key chunks per request (split-K parallelism).
         out: optional [B, H_q, D] output; config: Triton tiles; backend: as usual.
 
@@ -408,7 +446,7 @@ def decode_attention_with_scores(
         q,
         k_buf,
         v_buf,
-        kv_indptr,
+        kv_lens,
         kv_indices,
         score_buf,
         sm_scale,
@@ -417,3 +455,19 @@ def decode_attention_with_scores(
         out=out,
         config=config,
     )
+
+
+def _check_table(
+    q: torch.Tensor, kv_lens: torch.Tensor, kv_indices: torch.Tensor, score_indices: torch.Tensor | None
+) -> torch.Tensor:
+    """Shape checks (no values read: nothing waits on the device); returns the score indices."""
+    batch = q.shape[0]
+    if kv_lens.shape != (batch,) or kv_indices.dim() != 2 or kv_indices.shape[0] != batch:
+        raise ValueError(
+            f"need kv_lens [B={batch}] and kv_indices [B, W]; got {tuple(kv_lens.shape)}, {tuple(kv_indices.shape)}"
+        )
+    if score_indices is None:
+        return kv_indices
+    if score_indices.shape != kv_indices.shape:
+        raise ValueError(f"score_indices {tuple(score_indices.shape)} must match kv_indices {tuple(kv_indices.shape)}")
+    return score_indices

@@ -59,6 +59,7 @@ def select_kept(
     budget: int,
     sink: int,
     window: int,
+    max_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions to keep per request and KV head: protected ones plus the best-scored rest.
 
@@ -68,6 +69,8 @@ def select_kept(
         budget: entries kept per request and head when the request is longer than the budget.
         sink, window: the first ``sink`` and last ``window`` positions are always kept;
             ``sink + window`` must not exceed ``budget``.
+        max_len: the longest request's length when the caller knows it (the decode step's
+            eviction does); otherwise it is read from ``kv_indptr``, which waits on the device.
 
     Returns:
         ``(kept, kept_lens)``: kept [B, H_kv, budget_eff] int64 positions (0-based within the
@@ -83,7 +86,8 @@ def select_kept(
     lens = segment_lengths(kv_indptr)
     batch = lens.numel()
     kept_lens = lens.clamp(max=budget)
-    max_len = int(lens.max().item()) if batch else 0
+    if max_len is None:
+        max_len = int(lens.max().item()) if batch else 0
     keep = min(budget, max_len)
     if keep == 0:
         return torch.empty(batch, heads, 0, dtype=torch.int64, device=device), kept_lens

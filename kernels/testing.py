@@ -73,6 +73,26 @@ def make_ragged_batch(
     )
 
 
+def as_table(batch: RaggedBatch, flat: torch.Tensor | None = None, extra: int = 5, seed: int = 3) -> torch.Tensor:
+    """A per-key array of the batch (default: its slots) as the decode kernel's rows, [B, W] with
+    W = longest request + `extra`; padding past each length holds random slots of the pool, so a
+    kernel that reads past a length reads wrong keys and fails."""
+    flat = batch.kv_indices if flat is None else flat
+    lens = batch.kv_lens
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lens, default=0) + extra
+    table = torch.randint(0, batch.k_buf.shape[0], (len(lens), width), generator=gen).to(flat.device, flat.dtype)
+    starts = batch.kv_indptr.tolist()
+    for b, n in enumerate(lens):
+        table[b, :n] = flat[starts[b] : starts[b] + n]
+    return table
+
+
+def kv_lens_of(batch: RaggedBatch) -> torch.Tensor:
+    """int32 [B] keys per request, on the batch's device."""
+    return (batch.kv_indptr[1:] - batch.kv_indptr[:-1]).to(torch.int32)
+
+
 def decode_queries(batch: RaggedBatch, seed: int = 1) -> torch.Tensor:
     """One random query token per request, [B, H_q, D], matching the batch's dtype and device."""
     gen = torch.Generator().manual_seed(seed)

@@ -1,10 +1,12 @@
 """The attention backend of a sparse server (SGLang 0.5.23 attention registry).
 
 The stock backend names stay (SGLang keys scheduler helpers on them); `install` re-registers
-`torch_native` and `triton` with factories that wrap the stock backend in `KVSparseBackend`. Full
+every MHA/GQA backend (`sglang_kvsparse.backends.WRAPPED_BACKENDS`: SGLang's default on each
+device among them) with a factory that wraps the stock backend in `KVSparseBackend`. Full
 layers go to the stock backend unchanged; sparse layers read and write their own rows of the
 heap's lanes (`SparseState.lanes`) through `sglang_kvsparse.sparse_attention`. The forward's plan
-is built once per step in `init_forward_metadata` (`sglang_kvsparse.planning`); after the last
+is built once per step in `init_forward_metadata` (`sglang_kvsparse.planning`), where a decode
+step's evictions also run, in every sparse layer at once (`evict_planned`); after the last
 sparse layer has been issued, the state releases what the step's evictions and prefix reads held.
 A mixed forward (`--enable-mixed-chunk`: a prefill with the running requests' decode tokens
 appended) gets a prefill plan and a decode plan, split where the decoding rows begin.
@@ -18,14 +20,12 @@ from typing import Any
 from sglang.srt.layers.attention import attention_registry
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from sglang_kvsparse.backends import WRAPPED_BACKENDS
 from sglang_kvsparse.planning import ForwardPlan, MixedPlan, plan_decode, plan_extend
-from sglang_kvsparse.sparse_attention import sparse_decode, sparse_extend, sparse_mixed
+from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend, sparse_mixed
 from sglang_kvsparse.sparse_state import SparseState
 
 from . import context
-
-#: Stock backends this build can wrap; others are refused at startup (patches/memory.py).
-WRAPPED_BACKENDS: tuple[str, ...] = ("torch_native", "triton")
 
 _MARK = "__kvsparse_wrapped__"
 
@@ -76,7 +76,7 @@ class KVSparseBackend(AttentionBackend):
         if mode.is_idle():
             self._plan = None
         elif mode.is_decode():
-            self._plan = plan_decode(self.state, rows, device)
+            self._plan = self._plan_decode(rows, device)
         elif mode.is_extend() and not mode.is_target_verify():
             # SGLang runs a mixed batch (prefills, then running rows' decode tokens) as an extend.
             decoding = self.state.prefilled[rows]
@@ -88,9 +88,15 @@ class KVSparseBackend(AttentionBackend):
                 self._plan = extend
             else:
                 tokens = sum(int(n) for n in forward_batch.extend_seq_lens_cpu[:prefilling])
-                self._plan = MixedPlan(extend, plan_decode(self.state, rows[prefilling:], device), tokens)
+                self._plan = MixedPlan(extend, self._plan_decode(rows[prefilling:], device), tokens)
         else:
             raise NotImplementedError(f"kvsparse: forward mode {mode} is not supported with sparse layers")
+
+    def _plan_decode(self, rows: list[int], device: Any) -> ForwardPlan:
+        """The decode plan of these rows, its evictions already run in every sparse layer."""
+        plan = plan_decode(self.state, rows, device)
+        evict_planned(plan, self.state.layout.sparse_slots.values(), self.state.lanes)
+        return plan
 
     def _plan_extend(self, forward_batch: Any, rows: list[int], device: Any) -> ForwardPlan:
         """The prefill plan of the batch's first len(rows) requests."""
@@ -143,14 +149,17 @@ def _wrapping_factory(stock: Callable[[Any], AttentionBackend]) -> Callable[[Any
 def install() -> None:
     """Replace the stock factories of `WRAPPED_BACKENDS` with wrapping ones (idempotent)."""
     for name in WRAPPED_BACKENDS:
-        stock = attention_registry.ATTENTION_BACKENDS[name]
+        stock = attention_registry.ATTENTION_BACKENDS.get(name)
+        if stock is None:  # not registered in this SGLang build
+            continue
         if not getattr(stock, _MARK, False):
             attention_registry.register_attention_backend(name)(_wrapping_factory(stock))
 
 
 def installed() -> bool:
     """True when every wrapped name resolves to a wrapping factory in this process."""
-    return all(getattr(attention_registry.ATTENTION_BACKENDS.get(n), _MARK, False) for n in WRAPPED_BACKENDS)
+    registered = [attention_registry.ATTENTION_BACKENDS.get(n) for n in WRAPPED_BACKENDS]
+    return all(getattr(factory, _MARK, False) for factory in registered if factory is not None)
 
 
 __all__ = ["KVSparseBackend", "WRAPPED_BACKENDS", "install", "installed"]

@@ -26,6 +26,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.runtime_context import get_server_args
 
 from sglang_kvsparse.accounting import footprint_table, format_footprint_table, human_bytes, kv_bytes_per_token
+from sglang_kvsparse.backends import BACKEND_OPTIONS, WRAPPED_BACKENDS
 from sglang_kvsparse.config import SparsityConfig
 from sglang_kvsparse.layout import HeapLayout, heap_rows, scores_per_row
 from sglang_kvsparse.sparse_state import LaneBuffers, SparseState
@@ -201,16 +202,14 @@ def check_guards() -> None:
     problems = []
     if getattr(args, "tp_size", 1) != 1 or getattr(args, "dp_size", 1) != 1 or getattr(args, "pp_size", 1) != 1:
         problems.append("--tp-size/--dp-size/--pp-size must be 1 with layer-wise sparsity")
-    if not getattr(args, "disable_overlap_schedule", False):
-        problems.append("--disable-overlap-schedule is required with layer-wise sparsity")
     if getattr(args, "speculative_algorithm", None):
         problems.append("speculative decoding is not supported with layer-wise sparsity")
     if getattr(args, "kv_cache_dtype", "auto") not in ("auto", None):
         problems.append(f"--kv-cache-dtype {args.kv_cache_dtype}: sparse layers need the model's dtype")
-    for option in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+    for option in BACKEND_OPTIONS:
         name = getattr(args, option, None)
-        if name is not None and name not in attention.WRAPPED_BACKENDS:
-            problems.append(f"--{option.replace('_', '-')} {name}: sparse layers support {attention.WRAPPED_BACKENDS}")
+        if name is not None and name not in WRAPPED_BACKENDS:
+            problems.append(f"--{option.replace('_', '-')} {name}: sparse layers run beside {WRAPPED_BACKENDS}")
     if not attention.installed():
         problems.append("the kvsparse attention backend is not installed in this process (plugin load failed?)")
     missing = unpatched()

@@ -9,6 +9,7 @@ machine with no GPU the CPU engine, torch-native attention and a bounded KV pool
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from sglang_kvsparse.models import ensure_default_model
@@ -25,6 +26,8 @@ from sglang_kvsparse.serving_defaults import (
     gpu_available,
     read_model_shape,
 )
+
+logger = logging.getLogger(__name__)
 
 _SPARSITY_KWARGS = (
     "kvsparse_config",
@@ -45,7 +48,10 @@ def Engine(**kwargs: Any):  # noqa: N802 - named like the sglang.Engine it retur
     config = sparsity_from_args(sparsity)
     validate_for_model(config, read_model_shape(kwargs["model_path"]))
     export_to_processes(config)
-    kwargs.update(sparse_sglang_defaults(config, kwargs, cpu=not gpu_available()))
+    needed, notes = sparse_sglang_defaults(config, kwargs, cpu=not gpu_available())
+    for note in notes:
+        logger.warning("kvsparse: %s", note)
+    kwargs.update(needed)
     if not gpu_available():
         enable_cpu_engine()
         kwargs.update(cpu_defaults(set(kwargs)))

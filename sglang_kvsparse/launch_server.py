@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from sglang_kvsparse.backends import BACKEND_OPTIONS
 from sglang_kvsparse.config import SparsityConfigError
 from sglang_kvsparse.models import ModelUnavailableError, ensure_default_model
 from sglang_kvsparse.options import (
@@ -56,6 +57,8 @@ def _own_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default=_DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=_DEFAULT_PORT)
     parser.add_argument("--mem-fraction-static", type=float)
+    for option in BACKEND_OPTIONS:
+        parser.add_argument("--" + option.replace("_", "-"), dest=option)
     return parser
 
 
@@ -95,9 +98,11 @@ def build_sglang_argv(argv: list[str]) -> list[str]:
     validate_for_model(config, read_model_shape(model_path))
     export_to_processes(config)
     _say(f"sparsity: {config.describe()}")
-    given = {} if own.mem_fraction_static is None else {"mem_fraction_static": own.mem_fraction_static}
-    needed = sparse_sglang_defaults(config, given, cpu=not gpu_available())
+    given = {name: getattr(own, name) for name in ("mem_fraction_static", *BACKEND_OPTIONS)}
+    needed, notes = sparse_sglang_defaults(config, given, cpu=not gpu_available())
     sglang_argv += as_cli_flags(needed)
+    for note in notes:
+        _say(note)
     if config.enabled:
         added = " ".join(as_cli_flags(needed))
         _say(f"sparse layers: added {added or 'nothing'}")

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 
+from sglang_kvsparse.backends import backend_choices
 from sglang_kvsparse.config import PRESETS, SparsityConfig, SparsityConfigError, parse_config
 from sglang_kvsparse.serving_defaults import LaunchError, ModelShape
 
@@ -84,22 +85,31 @@ def export_to_processes(config: SparsityConfig) -> None:
         os.environ.pop(CONFIG_ENV, None)
 
 
-def sparse_sglang_defaults(config: SparsityConfig, given: dict[str, object], *, cpu: bool) -> dict[str, object]:
-    """SGLang options a sparse server needs, given the ones the user set (field spelling).
+def sparse_sglang_defaults(
+    config: SparsityConfig, given: dict[str, object], *, cpu: bool
+) -> tuple[dict[str, object], list[str]]:
+    """(SGLang options a sparse server needs, given the ones the user set (field spelling); one
+    line per choice made over the user's).
 
     Chunked prefill stays SGLang's to choose (sparse layers keep a chunked prompt's earlier chunks
-    in the prefix store until its last). On the CPU, where --max-total-tokens bounds the KV pool
-    anyway, a fixed --mem-fraction-static is given rather than SGLang's derivation, which reserves
-    activations for a whole unchunked prompt when chunking is off. Overlap scheduling (the next step's slot
-    allocation, which may evict, would run beside the current forward) is turned off on every
-    device: SGLang 0.5.23 keeps it on for the CPU too. On a GPU, CUDA graphs (sparse metadata is
-    rebuilt in Python every step) are turned off as well (`GPU_SPARSE_OPTIONS`).
+    in the prefix store until its last), and so does the attention backend: the full layers run
+    whichever MHA/GQA backend SGLang picks, an unset one included; a given one that cannot run
+    beside the sparse layers is replaced by the nearest that can (`backends.backend_choices`).
+    Overlap scheduling stays on where SGLang has it on: a step's allocation only changes the host
+    tables, and everything that moves K/V (eviction, compaction, stores) is queued by the forward
+    from the plan it builds, so the next step's allocation never races it. On the CPU, where
+    --max-total-tokens bounds the KV pool anyway, a fixed --mem-fraction-static is given rather
+    than SGLang's derivation, which reserves activations for a whole unchunked prompt when
+    chunking is off. On a GPU, CUDA graphs are turned off (`GPU_SPARSE_OPTIONS`): the sparse
+    decode step is graph-ready (`decode_graph.py`) but SGLang's capture hooks are not wired yet.
     """
     if not config.enabled:
-        return {}
-    chosen: dict[str, object] = {"disable_overlap_schedule": True}
+        return {}, []
+    chosen: dict[str, object] = {}
     if cpu and given.get("mem_fraction_static") is None:
         chosen["mem_fraction_static"] = CPU_SPARSE_MEM_FRACTION
     if not cpu:
         chosen.update(GPU_SPARSE_OPTIONS)
-    return chosen
+    backends, notes = backend_choices(given, cpu=cpu)
+    chosen.update(backends)
+    return chosen, notes

@@ -24,29 +24,58 @@ from sglang_kvsparse.sparse_state import SparseGroup, SparseState
 class ColumnPlan:
     """Kernel inputs of one sparse column (its layers read the same rows, each in its own lane).
 
-    `kv_indptr`/`kv_indices`: each request's rows in position order, `score_indices` their score
-    slots (the lane's score view). `new_slots`/`new_score_slots`: where the forward's kept tokens
-    go (decode: one per request; prefill: the requests' rows, request-major).
-    `budget` and `compress` (some prefill request is longer than the budget) tell the prefill
-    whether to select. `evict_slots` (decode): [N, max_entries] old rows, in position order, of the
-    N requests that evict this step, `evict_score_slots` their score slots; the forward keeps
-    `budget` of them in the first `budget` rows.
+    `new_slots`/`new_score_slots`: where the forward's kept tokens go (decode: one per request;
+    prefill: the requests' rows, request-major). `budget` and `compress` (some prefill request is
+    longer than the budget) tell the prefill whether to select.
+    Decode: `kv_lens` [B] and `kv_indices` [B, W] (each request's rows in position order, padded
+    with valid rows past its length), `score_indices` [B, W] their score slots (the lane's score
+    view): the decode kernel's table layout. `evict_slots`: [N, max_entries] old rows, in position
+    order, of the N requests that evict this step, `evict_score_slots` their score slots; the
+    forward keeps `budget` of them in the first `budget` rows.
     Prefill with the prefix store: `prefix_slots` (the matched prefixes' store rows, request-major,
     aligned with `ForwardPlan.prefix_positions`) and `store_slots` (where the new tokens at
     `ForwardPlan.store_positions` are stored, for later hits or the prompt's next chunk).
     """
 
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    score_indices: torch.Tensor
     new_slots: torch.Tensor
     new_score_slots: torch.Tensor
     budget: int = 0
     compress: bool = False
+    kv_lens: torch.Tensor | None = None
+    kv_indices: torch.Tensor | None = None
+    score_indices: torch.Tensor | None = None
     evict_slots: torch.Tensor | None = None
     evict_score_slots: torch.Tensor | None = None
     prefix_slots: torch.Tensor | None = None
     store_slots: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DecodeTables:
+    """One group's decode inputs for B requests, shared by its columns (column c is `[..., c]`
+    of the tables, `[c]` of the newest entries).
+
+    `lengths` [B] int32; `entries` and `score_slots` [B, W, columns]: each request's rows and
+    score slots in position order, padded past its length with valid ones (the padding row and
+    its scratch score slots); `newest` and `newest_scores` [columns, B]: where the step's token
+    goes."""
+
+    lengths: torch.Tensor
+    entries: torch.Tensor
+    score_slots: torch.Tensor
+    newest: torch.Tensor
+    newest_scores: torch.Tensor
+
+    def column(self, c: int, budget: int, **evictions: torch.Tensor | None) -> ColumnPlan:
+        return ColumnPlan(
+            self.newest[c],
+            self.newest_scores[c],
+            budget,
+            kv_lens=self.lengths,
+            kv_indices=self.entries[..., c],
+            score_indices=self.score_slots[..., c],
+            **evictions,
+        )
 
 
 @dataclass(frozen=True)
@@ -72,6 +101,7 @@ class ForwardPlan:
     keeps: torch.Tensor | None = None
     kept_positions: torch.Tensor | None = None
     store_positions: torch.Tensor | None = None
+    decode_tables: tuple[DecodeTables, ...] = ()  # [group], decode plans only
 
     def column(self, slot: SparseSlot) -> ColumnPlan:
         return self.columns[slot.group][slot.column]
@@ -134,16 +164,13 @@ def plan_extend(
             raise HeapError(
                 f"sparse rows hold {group.table.lengths[index].tolist()} entries for a prefill keeping {kept.tolist()}"
             )
-        indptr, indices, scores = _indices(state, group, index, device)
+        indices, scores = _indices(state, group, index, device)
         compress = bool((seq_lens[~partial] > group.spec.budget).any())
         plans = []
         for c in range(group.columns):
             column = group.first_column + c
             plans.append(
                 ColumnPlan(
-                    indptr,
-                    indices[c],
-                    scores[c],
                     indices[c],
                     scores[c],
                     group.spec.budget,
@@ -182,10 +209,10 @@ def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | 
     index = torch.tensor(list(rows), dtype=torch.int64)
     listed = set(index.tolist())
     columns = []
+    tables = []
     for group in state.groups:
-        indptr, indices, scores = _indices(state, group, index, device)
-        newest = group.table.last_entries(index).T.to(device)  # [columns, B]
-        newest_scores = state.score_slots(group, index, group.table.lengths[index] - 1).T.to(device)
+        group_tables = _decode_tables(state, group, index, device)
+        tables.append(group_tables)
         rows = [row for row in index.tolist() if row in group.evictions]
         evicting = [group.evictions.pop(row) for row in rows]
         if group.evictions:
@@ -201,12 +228,8 @@ def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | 
         state.counters.evictions += len(evicting)
         columns.append(
             tuple(
-                ColumnPlan(
-                    indptr,
-                    indices[c],
-                    scores[c],
-                    newest[c],
-                    newest_scores[c],
+                group_tables.column(
+                    c,
                     group.spec.budget,
                     evict_slots=None if old is None else old[c],
                     evict_score_slots=None if old_scores is None else old_scores[c],
@@ -215,7 +238,9 @@ def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | 
             )
         )
     ones = torch.ones(len(index), dtype=torch.int64)
-    return ForwardPlan(_indptr(ones, device), tuple(columns), state.config.sink, state.config.window)
+    return ForwardPlan(
+        _indptr(ones, device), tuple(columns), state.config.sink, state.config.window, decode_tables=tuple(tables)
+    )
 
 
 def _use_store(
@@ -268,16 +293,37 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 def _indices(
     state: SparseState, group: SparseGroup, index: torch.Tensor, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(indptr [B+1], rows [columns, total], score slots [columns, total]) of the requests'
-    entries, request-major."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [columns, total], score slots [columns, total]) of the requests' entries,
+    request-major."""
     lengths = group.table.lengths[index]
     width = int(lengths.max()) if lengths.numel() else 0
     mask = torch.arange(width)[None, :] < lengths[:, None]
     entries = group.table.table[index, :width][mask]  # [total, columns]
     positions = torch.arange(width).expand(len(index), width)[mask]
     scores = state.score_slots(group, index.repeat_interleave(lengths), positions)
-    return _indptr(lengths, device), entries.T.contiguous().to(device), scores.T.contiguous().to(device)
+    return entries.T.contiguous().to(device), scores.T.contiguous().to(device)
+
+
+def _decode_tables(
+    state: SparseState, group: SparseGroup, index: torch.Tensor, device: torch.device | str
+) -> DecodeTables:
+    """The group's decode tables for these requests, gathered on the device from its mirrored
+    tables (`SparseGroup.device_table`); only the rows and lengths travel, and W, the longest
+    row, is known on the host. Past a row's length: whatever the mirror holds there, slots
+    that were valid (the padding row when never written)."""
+    lengths = group.table.lengths[index]
+    width = int(lengths.max()) if lengths.numel() else 0
+    rows = index.to(device)
+    entries = group.device_table[rows, :width]  # [B, W, columns]
+    per_row = state.scores_per_row
+    positions = torch.arange(width, device=device)
+    pages = group.device_scores[rows][:, :, positions // per_row]  # [B, columns, W]
+    scores = (pages * per_row + positions % per_row).transpose(1, 2)  # [B, W, columns]
+    lengths = lengths.to(device, torch.int32)
+    last = (lengths.long() - 1).clamp(min=0)
+    batch = torch.arange(len(index), device=device)
+    return DecodeTables(lengths, entries, scores, entries[batch, last].T, scores[batch, last].T)
 
 
 def _indptr(lengths: torch.Tensor, device: torch.device | str) -> torch.Tensor:

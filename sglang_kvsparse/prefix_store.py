@@ -53,6 +53,10 @@ class PrefixStore:
         self.holds = torch.zeros(blocks, dtype=torch.int64)  # chunked prompts still to read the block
         self._free = list(range(max_blocks, 0, -1))
         self._clock = 0
+        #: Reclaimable blocks, counted again only after a change (SGLang asks for the free size
+        #: several times a step, and a count scans every block); `_pinned`: whether any pin is set.
+        self._reclaimable_blocks: int | None = 0
+        self._pinned = False
 
     @property
     def rows_per_block(self) -> int:
@@ -68,7 +72,9 @@ class PrefixStore:
 
     def reclaimable_rows(self) -> int:
         """Heap rows the store would give back on demand (its unpinned blocks')."""
-        return int(self._reclaimable().sum()) * self.rows_per_block
+        if self._reclaimable_blocks is None:
+            self._reclaimable_blocks = int(self._reclaimable().sum())
+        return self._reclaimable_blocks * self.rows_per_block
 
     def valid_prefix_len(self, full_ids: torch.Tensor) -> int:
         """How many leading ids have an entry."""
@@ -109,6 +115,7 @@ class PrefixStore:
         self.ids[blocks] = ids.view(count, self.page_size)
         self.live[blocks] = (self.ids[blocks] > 0).sum(1)
         self._stamp(blocks)
+        self._reclaimable_blocks = None
         entries = (blocks[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)[:stored]
         self.entry_of[ids[:stored]] = entries
         return self.lookup(ids[:stored])
@@ -124,18 +131,23 @@ class PrefixStore:
 
     def pin_blocks(self, blocks: torch.Tensor) -> None:
         self.pins[blocks] += 1
+        self._pinned = True
+        self._reclaimable_blocks = None
 
     def unpin(self, full_ids: torch.Tensor) -> None:
         blocks = self.blocks_of(full_ids)
         self.pins[blocks] = (self.pins[blocks] - 1).clamp(min=0)
+        self._reclaimable_blocks = None
 
     def hold(self, blocks: torch.Tensor) -> None:
         """Keep `blocks` (from `blocks_of`) until `release`, even if every entry is forgotten."""
         self.holds[blocks] += 1
+        self._reclaimable_blocks = None
 
     def release(self, blocks: torch.Tensor) -> torch.Tensor:
         """Undo one `hold`; returns the heap rows of released blocks left without entries."""
         self.holds[blocks] = (self.holds[blocks] - 1).clamp(min=0)
+        self._reclaimable_blocks = None
         return self._drop(blocks[(self.holds[blocks] == 0) & (self.live[blocks] == 0) & (self.last_use[blocks] >= 0)])
 
     def adopt(self, ours: torch.Tensor, theirs: torch.Tensor) -> int:
@@ -154,7 +166,10 @@ class PrefixStore:
         return int(move.sum())
 
     def unpin_all(self) -> None:
-        self.pins.zero_()
+        if self._pinned:
+            self.pins.zero_()
+            self._pinned = False
+            self._reclaimable_blocks = None
 
     def forget(self, full_ids: torch.Tensor) -> torch.Tensor:
         """SGLang freed these ids: drop their entries; returns the heap rows of blocks left empty."""
@@ -184,6 +199,7 @@ class PrefixStore:
         """Drop everything (SGLang flushed its cache); returns every heap row the store held."""
         self.unpin_all()
         self.holds.zero_()
+        self._reclaimable_blocks = None
         return self._drop(torch.nonzero(self.last_use >= 0).flatten())
 
     # -- internals -------------------------------------------------------------------------
@@ -205,6 +221,7 @@ class PrefixStore:
         self.pins[blocks] = 0
         self.holds[blocks] = 0
         self._free.extend(blocks.tolist())
+        self._reclaimable_blocks = None
         return rows
 
     def _stamp(self, blocks: torch.Tensor) -> None:

@@ -8,6 +8,8 @@ references on the CPU.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
 
 from sglang_kvsparse import kernels
@@ -104,27 +106,38 @@ def sparse_decode(
     column: ColumnPlan,
     buffers: LaneBuffers,
 ) -> torch.Tensor:
-    """One decode step: evict where planned, store the new token, attend over the kept slots.
+    """One decode step: store the new token, attend over the kept slots (`evict_planned` has
+    run this step's evictions).
 
     `q` is [B, H_q, D], `k`/`v` [B, H_kv, D]. The kernel also accumulates each kept key's
-    attention mass into the layer's scores (H2O-style), which the next eviction reads. Eviction
-    runs before the new token is written, so a slot freed by this step's eviction and handed out
-    again by the same step's allocation is read (as an old entry) before it is overwritten.
+    attention mass into the layer's scores (H2O-style), which the next eviction reads. Every
+    shape here is fixed by the plan (no value is read back), so the step queues its work without
+    waiting on the device and can be captured in a CUDA graph.
     """
-    if column.evict_slots is not None:
-        evict(buffers, column.evict_slots, column.evict_score_slots, column.budget, plan.sink, plan.window)
     _store(buffers, column.new_slots, k, v)
     buffers.scores[column.new_score_slots] = 0.0
     return kernels.decode_attention_with_scores(
         q,
         buffers.k,
         buffers.v,
-        column.kv_indptr,
+        column.kv_lens,
         column.kv_indices,
         buffers.scores,
         sm_scale,
         score_indices=column.score_indices,
     )
+
+
+def evict_planned(plan: ForwardPlan, slots: Iterable[SparseSlot], lanes: Sequence[LaneBuffers]) -> None:
+    """Run a decode plan's evictions in every sparse layer (`slots`: the layers' places), before
+    any layer of the step runs: each layer's eviction reads only its own lane's old entries and
+    the scores earlier steps accumulated, so doing them all first is what doing each one at its
+    layer would be. Outside the layers, the step's variable-shaped work (how many rows evict)
+    stays out of a captured decode graph."""
+    for slot in slots:
+        column = plan.column(slot)
+        if column.evict_slots is not None:
+            evict(lanes[slot.lane], column.evict_slots, column.evict_score_slots, column.budget, plan.sink, plan.window)
 
 
 def evict(
@@ -138,7 +151,7 @@ def evict(
     old, old_scores = old_slots.long(), old_score_slots.long()
     indptr = torch.arange(rows + 1, device=old.device, dtype=torch.int64) * n_old
     scores = buffers.scores[old_scores.reshape(-1)]
-    kept, _ = kernels.select_kept(scores, indptr, budget, sink, window)  # [N, H_kv, budget]
+    kept, _ = kernels.select_kept(scores, indptr, budget, sink, window, max_len=n_old)  # [N, H_kv, budget]
     heads = kept.shape[1]
 
     def sources(slots: torch.Tensor) -> torch.Tensor:

@@ -73,8 +73,27 @@ class SparseGroup:
     first_column: int
     #: Request row -> heap rows of its scores, [columns, spec.score_rows] (0: none).
     score_table: torch.Tensor
+    #: What the decode kernels read, on the lanes' device (int32): `table.table` and
+    #: `score_table`, written through wherever the host tables change what a reader sees (a new
+    #: request's rows, a page appended), so a step copies only those few entries to the device.
+    device_table: torch.Tensor
+    device_scores: torch.Tensor
     #: Request row -> its entries before this step's eviction, [max_entries, columns].
     evictions: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mirror_rows(self, rows: torch.Tensor) -> None:
+        """Copy whole request rows (their entries and score rows) to the device tables."""
+        device = self.device_table.device
+        index = rows.to(device)
+        self.device_table[index] = self.table.table[rows].to(device, torch.int32)
+        self.device_scores[index] = self.score_table[rows].to(device, torch.int32)
+
+    def mirror_pages(self, rows: torch.Tensor, starts: torch.Tensor) -> None:
+        """Copy the page starting at position starts[i] of each request row rows[i]."""
+        device = self.device_table.device
+        positions = starts[:, None] + torch.arange(self.table.page_size)
+        entries = self.table.table[rows[:, None], positions]  # [n, page, columns]
+        self.device_table[rows.to(device)[:, None], positions.to(device)] = entries.to(device, torch.int32)
 
     @property
     def columns(self) -> int:
@@ -122,10 +141,13 @@ class SparseState:
         self.dense_capacity = heap_rows
         self.groups: list[SparseGroup] = []
         first = 0
+        device = lanes[0].k.device
         for spec in self.layout.groups:
             table = RowTable(max_requests, spec.max_entries, len(spec.columns), self.page_size)
             scores = torch.zeros(max_requests, len(spec.columns), spec.score_rows, dtype=torch.int64)
-            self.groups.append(SparseGroup(spec, table, first, scores))
+            device_table = torch.zeros(table.table.shape, dtype=torch.int32, device=device)
+            device_scores = torch.zeros(scores.shape, dtype=torch.int32, device=device)
+            self.groups.append(SparseGroup(spec, table, first, scores, device_table, device_scores))
             first += len(spec.columns)
         store_blocks = heap_rows // max(self.layout.num_columns * self.page_size, 1)
         self.store = (
@@ -426,10 +448,14 @@ class SparseState:
                 take = group.columns * spec.score_rows
                 group.score_table[row] = rows[offset : offset + take].view(group.columns, spec.score_rows)
                 offset += take
+        group.mirror_rows(new_rows)
         for row in evicting.tolist():
             group.evictions[row] = table.entries(row)
             self._deferred.append(table.shrink(row, spec.budget))
+        growing = table.rows_needing_page(stepping)
+        starts = table.lengths[growing]
         table.append(stepping, rows[offset:])
+        group.mirror_pages(growing, starts)
 
     def take(self, rows: int) -> torch.Tensor:
         """`rows` heap rows for request entries, making room first; raises HeapExhausted (changing

@@ -33,7 +33,7 @@ def test_the_trace_covers_a_requests_life():
         "prefix match",
         "forward metadata",
         "prefill and compression",
-        "decode and eviction",
+        "decode",
         "finish, abort, retraction",
     ):
         assert step in steps, step

@@ -3,7 +3,8 @@
 Relative error bounds (normwise): output fp32 1e-5, fp16 5e-3 (probabilities rounded to fp16
 before P@V); score buffer 1e-5 in fp32 and 1e-4 in fp16 (fp32 logits of the same inputs). The
 output is NaN-poisoned; the score buffer starts random and is compared whole, so slots outside the
-batch must stay untouched.
+batch must stay untouched. The rows of `kv_indices` are padded with random slots past each length
+(`as_table`), so reading past a length fails.
 """
 
 import dataclasses
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from sglang_kvsparse.kernels import DecodeConfig, decode_attention_with_scores
-from sglang_kvsparse.kernels.testing import decode_queries, make_ragged_batch, rel_error
+from sglang_kvsparse.kernels.testing import as_table, decode_queries, kv_lens_of, make_ragged_batch, rel_error
 
 OUT_REL = {torch.float32: 1e-5, torch.float16: 5e-3}
 SCORE_REL = {torch.float32: 1e-5, torch.float16: 1e-4}
@@ -28,8 +29,8 @@ def run_both(batch, q, num_kv_splits, config=None):
             q,
             batch.k_buf,
             batch.v_buf,
-            batch.kv_indptr,
-            batch.kv_indices,
+            kv_lens_of(batch),
+            as_table(batch),
             score_buf,
             batch.sm_scale,
             num_kv_splits=num_kv_splits,
@@ -83,8 +84,8 @@ def test_decode_scores_add_one_per_query_head(device):
         q,
         batch.k_buf,
         batch.v_buf,
-        batch.kv_indptr,
-        batch.kv_indices,
+        kv_lens_of(batch),
+        as_table(batch),
         score_buf,
         batch.sm_scale,
         num_kv_splits=3,
@@ -101,23 +102,34 @@ def test_decode_scores_go_to_their_own_slots(device):
     total = batch.kv_indices.numel()
     perm = torch.randperm(3 * total, generator=torch.Generator().manual_seed(2))[:total].to(device)
     plain = torch.zeros(batch.k_buf.shape[:2], device=device)
-    decode_attention_with_scores(
-        q, batch.k_buf, batch.v_buf, batch.kv_indptr, batch.kv_indices, plain, batch.sm_scale, backend="torch"
-    )
+    lens, table = kv_lens_of(batch), as_table(batch)
+    decode_attention_with_scores(q, batch.k_buf, batch.v_buf, lens, table, plain, batch.sm_scale, backend="torch")
     for backend in ("triton", "torch"):
         moved = torch.zeros(3 * total, 2, device=device)
         decode_attention_with_scores(
             q,
             batch.k_buf,
             batch.v_buf,
-            batch.kv_indptr,
-            batch.kv_indices,
+            lens,
+            table,
             moved,
             batch.sm_scale,
-            score_indices=perm,
+            score_indices=as_table(batch, perm),
             backend=backend,
         )
         assert rel_error(moved[perm], plain[batch.kv_indices.long()]) <= SCORE_REL[torch.float32], backend
         untouched = torch.ones(3 * total, dtype=torch.bool, device=device)
         untouched[perm] = False
         assert torch.count_nonzero(moved[untouched]) == 0
+
+
+def test_decode_rejects_mismatched_shapes():
+    batch = make_ragged_batch([0, 0], [3, 5], 1, 2, 16, torch.float32, "cpu")
+    q = decode_queries(batch)
+    score_buf = torch.zeros(batch.k_buf.shape[:2])
+    args = (q, batch.k_buf, batch.v_buf)
+    with pytest.raises(ValueError, match="kv_indices"):
+        decode_attention_with_scores(*args, kv_lens_of(batch), batch.kv_indices, score_buf, 0.1)
+    with pytest.raises(ValueError, match="score_indices"):
+        table = as_table(batch)
+        decode_attention_with_scores(*args, kv_lens_of(batch), table, score_buf, 0.1, score_indices=table[:, :2])

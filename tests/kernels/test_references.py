@@ -15,7 +15,7 @@ from sglang_kvsparse.kernels import (
     window_scores_torch,
 )
 from sglang_kvsparse.kernels.common import segment_ids
-from sglang_kvsparse.kernels.testing import decode_queries, make_ragged_batch, rel_error
+from sglang_kvsparse.kernels.testing import as_table, decode_queries, kv_lens_of, make_ragged_batch, rel_error
 
 REL = 1e-10
 Q_LENS = [37, 150, 5, 1]
@@ -83,9 +83,12 @@ def test_window_reference_matches_dense(window):
     assert rel_error(scores, dense) <= REL
 
 
-def test_decode_reference_matches_dense():
+@pytest.mark.parametrize("kv_lens", [[1, 290, 77], [0, *range(180, 204)]], ids=["few-keys", "many-keys"])
+def test_decode_reference_matches_dense(kv_lens):
+    """Both of the reference's matmul paths (all KV heads at once for few keys, per head for many),
+    an empty request among them."""
     group, heads = 4, 2
-    batch = make_ragged_batch([0, 0, 0], [1, 290, 77], heads, group, 16, torch.float64)
+    batch = make_ragged_batch([0] * len(kv_lens), kv_lens, heads, group, 16, torch.float64)
     q = decode_queries(batch)
     k = batch.k_buf[batch.kv_indices].repeat_interleave(group, dim=1)  # [T_kv, H_q, D]
     v = batch.v_buf[batch.kv_indices].repeat_interleave(group, dim=1)
@@ -93,13 +96,14 @@ def test_decode_reference_matches_dense():
     kv_req = segment_ids(batch.kv_indptr, k.shape[0])
     same = torch.arange(q.shape[0])[:, None] == kv_req[None, :]
     probs = torch.softmax(logits.masked_fill(~same[:, None, :], float("-inf")), dim=-1)
+    probs = torch.nan_to_num(probs)  # a request with no keys: zero output, nothing scored
     o_dense = torch.einsum("bht,thd->bhd", probs, v)
     init = torch.rand(batch.k_buf.shape[:2], dtype=torch.float64)
     expected_scores = init.clone()
     expected_scores[batch.kv_indices] += probs.sum(0).unflatten(0, (heads, group)).sum(1).T
     score_buf = init.clone()
     o = decode_attention_with_scores_torch(
-        q, batch.k_buf, batch.v_buf, batch.kv_indptr, batch.kv_indices, score_buf, batch.sm_scale
+        q, batch.k_buf, batch.v_buf, kv_lens_of(batch), as_table(batch), score_buf, batch.sm_scale
     )
     assert rel_error(o, o_dense) <= REL
     assert rel_error(score_buf, expected_scores) <= REL

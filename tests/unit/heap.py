@@ -3,14 +3,22 @@
 `FreeList` is the heap as SGLang's allocator would hand it out (pages of `page_size` rows, ids
 from 1), with the checks a test needs: a double free or a partial page raises, and
 `cached`/`evict_cache` stand in for SGLang's radix tree (ids it holds, freed on demand).
+`decode_lifecycle` drives a state through requests that join, decode, evict and finish, with the
+decode step pluggable (eager, or through fixed buffers as a replayed graph; `bench/gpu_check.py`
+runs it on a GPU too).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 
 from sglang_kvsparse.config import SparsityConfig
+from sglang_kvsparse.planning import ForwardPlan, plan_decode, plan_extend
 from sglang_kvsparse.policies import SnapKVPolicy
+from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
 from sglang_kvsparse.sparse_state import LaneBuffers, SparseState
 
 H_KV, D = 2, 8
@@ -79,9 +87,10 @@ def make_state(
     evict_page=16,
     prefix_cache=False,
     pool_kernel=1,
+    device="cpu",
 ) -> tuple[SparseState, FreeList]:
     """A state of `num_layers` layers (`full_layers` full, one lane per full layer) on a heap of
-    `rows` rows. pool_kernel 1: no pooling, so no score ties."""
+    `rows` rows, its lanes on `device`. pool_kernel 1: no pooling, so no score ties."""
     config = SparsityConfig(
         full_layers=full_layers,
         budget=budget or context,
@@ -93,7 +102,9 @@ def make_state(
     resolved = config.resolve(num_layers, context)
     heap = FreeList(rows, page)
     lanes = [
-        LaneBuffers.over(torch.zeros(rows + page, H_KV, D), torch.zeros(rows + page, H_KV, D))
+        LaneBuffers.over(
+            torch.zeros(rows + page, H_KV, D, device=device), torch.zeros(rows + page, H_KV, D, device=device)
+        )
         for _ in range(max(len(full_layers), 1))
     ]
     state = SparseState(
@@ -105,3 +116,82 @@ def make_state(
 
 def grow(state: SparseState, rows, lengths) -> None:
     state.alloc_to_lengths(req_pool_indices_cpu=torch.tensor(rows), target_seq_lens_cpu=torch.tensor(lengths))
+
+
+def assert_device_tables_mirror_the_host(state):
+    """What the decode kernels read (the device tables) is what the host tables hold, for every
+    live entry and score row of every active request."""
+    for group in state.groups:
+        for row in group.table.active_rows().tolist():
+            n = group.table.length(row)
+            assert torch.equal(group.device_table[row, :n].long(), group.table.table[row, :n]), row
+            assert torch.equal(group.device_scores[row].long(), group.score_table[row]), row
+
+
+#: A decode step's sparse layers: (state, plan, q [B, H_q, D], k, v) -> outputs [layers, B, H_q, D].
+DecodeStep = Callable[[SparseState, ForwardPlan, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+GROUP = 2  # query heads per KV head in `decode_lifecycle`
+
+
+def eager_decode(state: SparseState, plan: ForwardPlan, q, k, v) -> torch.Tensor:
+    """Every sparse layer's decode forward on the plan, as the server runs it."""
+    outputs = []
+    for slot in state.layout.sparse_slots.values():
+        outputs.append(sparse_decode(q, k, v, 0.3, plan, plan.column(slot), state.lanes[slot.lane]))
+    return torch.stack(outputs)
+
+
+def decode_lifecycle(
+    state: SparseState,
+    steps: int,
+    decode: DecodeStep = eager_decode,
+    seed: int = 5,
+    guard: Callable[[], AbstractContextManager] = nullcontext,
+):
+    """A seeded lifecycle: requests join (prefilled alone), decode together, evict and finish,
+    on a state of up to 7 request rows (rows 1..7). Each decode step's plan goes to `decode`,
+    after its evictions ran; both inside `guard()`. Returns (each decode step's outputs on the
+    host, steps with an eviction). Inputs come from a seeded generator: two runs see the same."""
+    device = state.lanes[0].k.device
+    gen = torch.Generator().manual_seed(seed)
+
+    def inputs(n: int) -> list[torch.Tensor]:
+        return [torch.randn(n, h, D, generator=gen).to(device) for h in (H_KV * GROUP, H_KV, H_KV)]
+
+    lengths: dict[int, int] = {}
+    final: dict[int, int] = {}
+    outputs, evicting = [], 0
+    for step in range(steps):
+        free_rows = [row for row in range(1, 8) if row not in lengths]
+        if free_rows and len(lengths) < 5 and step % 7 == 0:
+            row = free_rows[0]
+            prompt = int(torch.randint(2, 30, (1,), generator=gen))
+            final[row] = prompt + int(torch.randint(5, 80, (1,), generator=gen))
+            state.expect([row], [final[row]])
+            grow(state, [row], [prompt])
+            plan = plan_extend(state, [row], [0], [prompt], device=device)
+            q, k, v = inputs(prompt)
+            for slot in state.layout.sparse_slots.values():
+                sparse_extend(q, k, v, 0.3, plan, plan.column(slot), state.lanes[slot.lane], state.policy)
+            state.finish_forward()
+            lengths[row] = prompt
+            continue
+        rows = sorted(lengths)
+        if not rows:
+            continue
+        grow(state, rows, [lengths[row] + 1 for row in rows])
+        plan = plan_decode(state, rows, device)
+        evicting += any(column.evict_slots is not None for group in plan.columns for column in group)
+        q, k, v = inputs(len(rows))
+        with guard():
+            evict_planned(plan, state.layout.sparse_slots.values(), state.lanes)
+            out = decode(state, plan, q, k, v)
+        outputs.append(out.cpu())
+        state.finish_forward()
+        for row in rows:
+            lengths[row] += 1
+            if lengths[row] == final[row]:
+                state.free(row)
+                del lengths[row]
+    return outputs, evicting

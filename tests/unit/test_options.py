@@ -1,7 +1,10 @@
 """What the launcher and engine add or refuse for a sparse server (no SGLang, no model)."""
 
+import json
+
 import pytest
 
+from sglang_kvsparse.backends import BACKEND_OPTIONS, WRAPPED_BACKENDS
 from sglang_kvsparse.config import PRESETS, SparsityConfig
 from sglang_kvsparse.options import (
     CPU_SPARSE_MEM_FRACTION,
@@ -22,13 +25,62 @@ def test_every_preset_fits_the_model_and_bad_layers_are_refused_in_one_line():
         validate_for_model(SparsityConfig(full_layers=(0, 30), budget=512), SHAPE)
 
 
-def test_sparse_servers_keep_sglangs_chunking_get_no_overlap_and_a_memory_fraction_on_the_cpu():
-    assert sparse_sglang_defaults(PRESETS["off"], {}, cpu=True) == {}
-    no_overlap = {"disable_overlap_schedule": True}
-    assert sparse_sglang_defaults(LOSSLESS, {}, cpu=True) == {
-        "mem_fraction_static": CPU_SPARSE_MEM_FRACTION,
-        **no_overlap,
-    }
-    given = {"mem_fraction_static": 0.5}
-    assert sparse_sglang_defaults(LOSSLESS, given, cpu=True) == no_overlap
-    assert sparse_sglang_defaults(LOSSLESS, {}, cpu=False) == {**no_overlap, **GPU_SPARSE_OPTIONS}
+def test_sparse_servers_keep_sglangs_chunking_and_overlap_and_get_a_memory_fraction_on_the_cpu():
+    assert sparse_sglang_defaults(PRESETS["off"], {}, cpu=True) == ({}, [])
+    assert sparse_sglang_defaults(LOSSLESS, {}, cpu=True) == ({"mem_fraction_static": CPU_SPARSE_MEM_FRACTION}, [])
+    assert sparse_sglang_defaults(LOSSLESS, {"mem_fraction_static": 0.5}, cpu=True) == ({}, [])
+    assert sparse_sglang_defaults(LOSSLESS, {}, cpu=False) == (GPU_SPARSE_OPTIONS, [])
+
+
+@pytest.mark.parametrize("backend", ["fa3", "flashinfer", "triton", "torch_native", "trtllm_mha", "aiter"])
+def test_on_a_gpu_sglangs_default_and_every_mha_backend_run_the_full_layers(backend):
+    """No flag: SGLang picks its default (fa3 on Hopper, flashinfer on other NVIDIA GPUs), which
+    the launcher leaves alone; a given MHA backend is kept as well."""
+    for given in ({}, {"attention_backend": backend}, {"decode_attention_backend": backend}):
+        options, notes = sparse_sglang_defaults(LOSSLESS, given, cpu=False)
+        assert not set(BACKEND_OPTIONS) & set(options) and notes == []
+    assert {"fa3", "flashinfer"} <= set(WRAPPED_BACKENDS)
+
+
+@pytest.mark.parametrize(("cpu", "nearest"), [(False, "triton"), (True, "torch_native")])
+def test_a_backend_that_cannot_run_beside_sparse_layers_is_replaced_in_one_line(cpu, nearest):
+    given = {"attention_backend": "flashmla", "prefill_attention_backend": "fa3", "decode_attention_backend": "dsa"}
+    options, notes = sparse_sglang_defaults(LOSSLESS, given, cpu=cpu)
+    assert options["attention_backend"] == nearest and options["decode_attention_backend"] == nearest
+    assert "prefill_attention_backend" not in options
+    why = f"cannot run beside sparse layers (it is not an MHA/GQA backend): using {nearest}"
+    assert notes == [f"--attention-backend flashmla {why}", f"--decode-attention-backend dsa {why}"]
+    assert sparse_sglang_defaults(PRESETS["off"], given, cpu=cpu) == ({}, [])  # stock SGLang: untouched
+
+
+@pytest.fixture
+def gpu_launch(tmp_path, monkeypatch):
+    """The launcher as on a CUDA machine (no GPU is touched: it only decides SGLang's argv)."""
+    from sglang_kvsparse import launch_server, options
+
+    config = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
+    config["max_position_embeddings"] = 4096
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(launch_server, "gpu_available", lambda: True)
+    monkeypatch.delenv(options.CONFIG_ENV, raising=False)
+    yield lambda *args: launch_server.build_sglang_argv(["--model-path", str(tmp_path), "--port", "0", *args])
+    monkeypatch.delenv(options.CONFIG_ENV, raising=False)
+
+
+def test_the_gpu_launch_leaves_sglangs_backend_choice_alone(gpu_launch, capsys):
+    argv = gpu_launch("--kvsparse-budget", "512")
+    assert "--attention-backend" not in argv and "--device" not in argv  # SGLang picks fa3/flashinfer
+    argv = gpu_launch("--attention-backend", "fa3")
+    assert argv.count("--attention-backend") == 1 and argv[argv.index("--attention-backend") + 1] == "fa3"
+    assert "cannot run beside sparse layers" not in capsys.readouterr().err
+
+
+def test_the_gpu_launch_replaces_a_backend_that_cannot_serve_sparse_layers(gpu_launch, capsys):
+    argv = gpu_launch("--attention-backend", "flashmla")
+    last = len(argv) - 1 - argv[::-1].index("--attention-backend")  # argparse keeps the last
+    assert argv[last + 1] == "triton"
+    said = [line for line in capsys.readouterr().err.splitlines() if "flashmla" in line]
+    assert said == [
+        "[sglang-kvsparse] --attention-backend flashmla cannot run beside sparse layers "
+        "(it is not an MHA/GQA backend): using triton"
+    ]

@@ -82,8 +82,8 @@ def test_pinned_blocks_are_not_reclaimable_until_unpinned():
     )
 )
 def test_entries_and_rows_stay_consistent(ops):
-    """Whatever happens, each entry's block names its id, pinned blocks keep their entries, and the
-    heap's used rows are the store's plus the other owners'."""
+    """Whatever happens, each entry's block names its id, pinned blocks keep their entries, the
+    heap's used rows are the store's plus the other owners', and the reclaimable count is right."""
     store, heap = make(rows=48, columns=2, page=2)
     taken: list[torch.Tensor] = []
     live: set[int] = set()  # ids SGLang holds (stored ones among them)
@@ -115,6 +115,8 @@ def test_entries_and_rows_stay_consistent(ops):
         assert bool((store.last_use[blocks] >= 0).all())
         assert set(entries.tolist()) <= live
         assert 48 - heap.free_rows() == store.rows() + sum(t.numel() for t in taken)
+        unpinned = (store.last_use >= 0) & (store.pins == 0) & (store.holds == 0)
+        assert store.reclaimable_rows() == int(unpinned.sum()) * store.rows_per_block  # the cached count
 
 
 def test_adopt_moves_entries_to_the_trees_ids_for_the_same_tokens():

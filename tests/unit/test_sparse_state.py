@@ -10,10 +10,10 @@ from sglang_kvsparse import kernels
 from sglang_kvsparse.planning import plan_decode, plan_extend
 from sglang_kvsparse.policies import PrefillScoringInputs
 from sglang_kvsparse.row_table import HeapError, HeapExhausted
-from sglang_kvsparse.sparse_attention import sparse_decode, sparse_extend
+from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
 from sglang_kvsparse.stats import collect
 
-from .heap import H_KV, D, grow, make_state
+from .heap import H_KV, D, assert_device_tables_mirror_the_host, grow, make_state
 
 G = 3  # query heads per KV head
 
@@ -112,6 +112,7 @@ def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries
     column = plan.column(slot)
     assert column.evict_slots.shape == (1, budget + evict_page)
     qd, kd, vd = torch.randn(2, H_KV * G, D), torch.randn(2, H_KV, D), torch.randn(2, H_KV, D)
+    evict_planned(plan, state.layout.sparse_slots.values(), state.lanes)
     od = sparse_decode(qd, kd, vd, 0.3, plan, column, lane)
     state.finish_forward()
     assert heap.free_rows() == free_before - 2 * 3 + evict_page * 3
@@ -371,6 +372,10 @@ def test_rows_are_conserved_across_every_owner_under_random_lifecycles(ops):
         sglang_rows = sum(t.numel() for ts in held.values() for t in ts) + sum(t.numel() for t in heap.cached)
         owners = sglang_rows + state.sparse_rows(state.groups[0]) + state.store.rows() + state.deferred_rows()
         assert owners + heap.free_rows() == heap.rows
+        assert_device_tables_mirror_the_host(state)
+        store = state.store  # its cached count of reclaimable blocks is a fresh count
+        fresh = (store.last_use >= 0) & (store.pins == 0) & (store.holds == 0)
+        assert store.reclaimable_rows() == int(fresh.sum()) * store.rows_per_block
     state.clear()
     for ts in held.values():
         heap.cached.extend(ts)

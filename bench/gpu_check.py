@@ -1,0 +1,260 @@
+"""What needs a GPU to check, checked and timed in one run (for a lent device; issue 12).
+
+  python bench/gpu_check.py [--out-dir DIR]      # on a CUDA machine, about 8 minutes
+  python bench/gpu_check.py --dry-run            # the same steps on a CPU at tiny sizes
+
+Steps, each timed; a failing step is recorded and the run goes on:
+  kernels   ``bench/kernels.py``: every Triton kernel against its torch reference at full sizes,
+            then timed beside SGLang's kernels (its own JSON and markdown in the same folder).
+  no-sync   300 steps of the sparse decode path (evictions, stores, attention with scores) on the
+            device under ``torch.cuda.set_sync_debug_mode("error")``: any device-to-host
+            synchronisation raises. (CPU: the guard of ``tests/unit/host_sync.py``.)
+  graph     the same decode step captured once in a ``torch.cuda.CUDAGraph`` over the fixed
+            buffers of ``decode_graph.DecodeBuffers`` and replayed for 300 steps in which
+            requests join, evict and finish, against the eager step on a twin state: outputs
+            compared, and the median step time of both. (CPU: the buffers without a graph.)
+  serving   ``bench/serving.py --profile gpu-check-serving``: the Llama-3.1-8B shape with dummy weights,
+            5,000 in / 500 out at concurrency 8 and 32, stock SGLang (its default backend, CUDA
+            graphs on) against the project (SGLang's default backend in the full layers, sparse
+            layers with a budget of 1,024; CUDA graphs not wired yet). (CPU: its dry run.)
+
+Writes ``<out-dir>/gpu-check-<date>[-dry-run].json`` and ``.md``, the device named in both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sglang_kvsparse.decode_graph import DecodeBuffers  # noqa: E402
+from sglang_kvsparse.sparse_state import SparseState  # noqa: E402
+from tests.unit.heap import decode_lifecycle, eager_decode, make_state  # noqa: E402
+from tests.unit.host_sync import no_host_sync  # noqa: E402
+
+STEPS = 300
+GRAPH_BS = 6
+SERVING_PROFILE = "gpu-check-serving"
+STEP_NAMES = ("kernels", "no-sync", "graph", "serving")
+
+
+def say(message: str) -> None:
+    print(f"[gpu-check] {message}", flush=True)
+
+
+def lifecycle_state(device: str) -> SparseState:
+    """The decode lifecycle's state: 3 sparse layers, budget 8, evicting every 4 entries."""
+    state, _ = make_state(
+        num_layers=4, full_layers=(0,), budget=8, evict_page=4, rows=4096, max_requests=8, context=4096, device=device
+    )
+    return state
+
+
+@contextmanager
+def cuda_sync_errors():
+    """Any device-to-host synchronisation in the block raises (CUDA's own sync debug mode)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def check_no_sync(device: str) -> dict[str, Any]:
+    guard: Callable[[], AbstractContextManager] = cuda_sync_errors if device == "cuda" else no_host_sync
+    outputs, evicting = decode_lifecycle(lifecycle_state(device), STEPS, guard=guard)
+    return {"decode_steps": len(outputs), "steps_with_evictions": evicting, "ok": evicting > 0}
+
+
+class GraphDecode:
+    """The decode step through `DecodeBuffers`, captured in a CUDA graph at its first call (after
+    a warm-up whose writes are undone); on a CPU the same buffers run eagerly."""
+
+    def __init__(self, state: SparseState, device: str) -> None:
+        self.device = device
+        self.buffers = DecodeBuffers(state, GRAPH_BS, device)
+        self.plan = self.buffers.plan(GRAPH_BS)
+        self.inputs: list[torch.Tensor] | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        self.times: list[float] = []
+
+    def __call__(self, state: SparseState, plan, q, k, v) -> torch.Tensor:
+        start = time.perf_counter()
+        self.buffers.fill(plan)
+        if self.inputs is None:
+            self.inputs = [t.new_zeros(GRAPH_BS, *t.shape[1:]) for t in (q, k, v)]
+        for static, given in zip(self.inputs, (q, k, v)):
+            static.zero_()
+            static[: given.shape[0]].copy_(given)
+        if self.device != "cuda":
+            self.out = eager_decode(state, self.plan, *self.inputs)
+        else:
+            if self.graph is None:
+                self._capture(state)
+            self.graph.replay()
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - start)
+        return self.out[:, : q.shape[0]].clone()
+
+    def _capture(self, state: SparseState) -> None:
+        saved = [(lane.k.clone(), lane.v.clone()) for lane in state.lanes]  # scores live in k
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            eager_decode(state, self.plan, *self.inputs)  # compiles and loads every kernel
+        torch.cuda.current_stream().wait_stream(side)
+        for lane, (k, v) in zip(state.lanes, saved):
+            lane.k.copy_(k)
+            lane.v.copy_(v)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = eager_decode(state, self.plan, *self.inputs)
+
+
+def timed_eager(times: list[float]) -> Callable:
+    def decode(state, plan, q, k, v):
+        start = time.perf_counter()
+        out = eager_decode(state, plan, q, k, v)
+        if q.is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        return out
+
+    return decode
+
+
+def check_graph(device: str) -> dict[str, Any]:
+    eager_times: list[float] = []
+    eager, evicting = decode_lifecycle(lifecycle_state(device), STEPS, timed_eager(eager_times))
+    state = lifecycle_state(device)
+    graph = GraphDecode(state, device)
+    replayed, _ = decode_lifecycle(state, STEPS, graph)
+    worst = max((float((a - b).abs().max()) for a, b in zip(eager, replayed)), default=0.0)
+    return {
+        "decode_steps": len(eager),
+        "steps_with_evictions": evicting,
+        "max_abs_difference": worst,
+        "eager_step_ms_median": 1e3 * statistics.median(eager_times),
+        "graph_step_ms_median": 1e3 * statistics.median(graph.times[1:] or graph.times),
+        "ok": len(eager) == len(replayed) and worst <= 1e-4,
+    }
+
+
+def run_script(args: list[str], timeout_s: int) -> dict[str, Any]:
+    """Run one of the bench scripts; its own reports land in the same folder."""
+    run = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    tail = (run.stdout + run.stderr).strip().splitlines()[-15:]
+    return {"command": " ".join(args), "returncode": run.returncode, "output_tail": tail, "ok": run.returncode == 0}
+
+
+def check_kernels(out_dir: Path, dry_run: bool) -> dict[str, Any]:
+    return run_script(["bench/kernels.py", "--out-dir", str(out_dir), *(["--dry-run"] if dry_run else [])], 900)
+
+
+def check_serving(out_dir: Path, dry_run: bool) -> dict[str, Any]:
+    args = ["bench/serving.py", "--profile", SERVING_PROFILE, "--out-dir", str(out_dir)]
+    result = run_script([*args, *(["--dry-run"] if dry_run else [])], 1500)
+    reports = sorted(out_dir.glob(f"{SERVING_PROFILE}*.json"))
+    if reports:
+        systems = json.loads(reports[-1].read_text())["systems"]
+        result["systems"] = {
+            system["name"]: {"error": system["error"], "runs": [_summary(run) for run in system["runs"]]}
+            for system in systems
+        }
+        result["ok"] = result["ok"] and all(system["error"] is None for system in systems)
+    return result
+
+
+def _summary(run: dict[str, Any]) -> dict[str, Any]:
+    keys = ("concurrency", "completed", "output_tok_s", "itl_median_ms", "ttft_median_ms", "peak_running")
+    return {key: run.get(key) for key in keys}
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name(0) if device == "cuda" else "CPU (dry run)"
+
+
+def write_report(out_dir: Path, report: dict[str, Any]) -> Path:
+    stem = f"gpu-check-{report['date']}{'-dry-run' if report['dry_run'] else ''}"
+    json_path = out_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    lines = [
+        f"# GPU check, {report['date']}: {report['device']}",
+        "",
+        "Written by `bench/gpu_check.py`" + (" --dry-run (timings mean nothing)." if report["dry_run"] else "."),
+        "",
+        "| step | ok | seconds | result |",
+        "|---|---|---|---|",
+    ]
+    for name, step in report["steps"].items():
+        shown = {key: value for key, value in step.items() if key not in ("ok", "seconds", "output_tail", "error")}
+        if step.get("error"):
+            shown = {"error": step["error"]}
+        lines.append(
+            f"| {name} | {'yes' if step['ok'] else '**no**'} | {step['seconds']:.0f} | `{json.dumps(shown)}` |"
+        )
+    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    return json_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="the same steps on the CPU at tiny sizes")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--steps", default=",".join(STEP_NAMES), help=f"comma-separated, of {', '.join(STEP_NAMES)}")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
+    if device == "cpu" and not args.dry_run:
+        parser.error("no CUDA device here: run with --dry-run")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "date": dt.date.today().isoformat(),
+        "device": device_name(device),
+        "dry_run": args.dry_run,
+        "torch": torch.__version__,
+        "steps": {},
+    }
+    steps: dict[str, Callable[[], dict[str, Any]]] = {
+        "kernels": lambda: check_kernels(args.out_dir, args.dry_run),
+        "no-sync": lambda: check_no_sync(device),
+        "graph": lambda: check_graph(device),
+        "serving": lambda: check_serving(args.out_dir, args.dry_run),
+    }
+    chosen = args.steps.split(",")
+    unknown = set(chosen) - set(steps)
+    if unknown:
+        parser.error(f"unknown steps {sorted(unknown)}; choose from {', '.join(STEP_NAMES)}")
+    for name in chosen:
+        step = steps[name]
+        say(f"{name} ...")
+        start = time.perf_counter()
+        try:
+            result = step()
+        except Exception as exc:  # recorded; the other steps still run
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+        result["seconds"] = time.perf_counter() - start
+        report["steps"][name] = result
+        say(f"{name}: {'ok' if result['ok'] else 'FAILED'} in {result['seconds']:.0f} s")
+        write_report(args.out_dir, report)
+    path = write_report(args.out_dir, report)
+    say(f"wrote {path} and its .md")
+    return 0 if all(step["ok"] for step in report["steps"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
