@@ -14,17 +14,16 @@ from typing import Any
 
 from sglang_kvsparse.models import ensure_default_model
 from sglang_kvsparse.options import (
+    check_model,
     export_to_processes,
     sparse_sglang_defaults,
     sparsity_from_args,
-    validate_for_model,
 )
 from sglang_kvsparse.serving_defaults import (
     check_model_path,
     cpu_defaults,
     enable_cpu_engine,
     gpu_available,
-    read_model_shape,
 )
 
 logger = logging.getLogger(__name__)
@@ -46,7 +45,7 @@ def Engine(**kwargs: Any):  # noqa: N802 - named like the sglang.Engine it retur
     else:
         check_model_path(kwargs["model_path"])
     config = sparsity_from_args(sparsity)
-    validate_for_model(config, read_model_shape(kwargs["model_path"]))
+    check_model(config, kwargs["model_path"])
     export_to_processes(config)
     needed, notes = sparse_sglang_defaults(config, kwargs, cpu=not gpu_available())
     for note in notes:

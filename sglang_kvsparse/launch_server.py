@@ -1,7 +1,8 @@
 """``python -m sglang_kvsparse.launch_server``: SGLang's server with the kvsparse plugin.
 
 Every ``sglang.launch_server`` argument passes through unchanged. On top of it:
-- ``--kvsparse-*`` options (docs/config.md), validated against the model before SGLang starts;
+- ``--kvsparse-*`` options (docs/config.md), validated against the model before SGLang starts,
+  and a model the sparse layers would serve wrongly refused (`model_support.py`);
 - no ``--model-path``: the embedded default model (SmolLM2-135M-Instruct) is served;
 - no GPU: the CPU engine, the torch-native attention backend and a bounded KV pool are chosen,
   each one stated, and only where the user did not choose;
@@ -18,10 +19,10 @@ from sglang_kvsparse.config import SparsityConfigError
 from sglang_kvsparse.models import ModelUnavailableError, ensure_default_model
 from sglang_kvsparse.options import (
     add_sparsity_arguments,
+    check_model,
     export_to_processes,
     sparse_sglang_defaults,
     sparsity_from_args,
-    validate_for_model,
 )
 from sglang_kvsparse.serving_defaults import (
     LaunchError,
@@ -31,7 +32,6 @@ from sglang_kvsparse.serving_defaults import (
     cpu_defaults,
     enable_cpu_engine,
     gpu_available,
-    read_model_shape,
 )
 
 _PREFIX = "[sglang-kvsparse]"
@@ -95,7 +95,7 @@ def build_sglang_argv(argv: list[str]) -> list[str]:
         config = sparsity_from_args(own)
     except SparsityConfigError as exc:
         raise LaunchError(str(exc)) from None
-    validate_for_model(config, read_model_shape(model_path))
+    check_model(config, model_path)
     export_to_processes(config)
     _say(f"sparsity: {config.describe()}")
     given = {name: getattr(own, name) for name in ("mem_fraction_static", *BACKEND_OPTIONS)}

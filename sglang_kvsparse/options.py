@@ -14,6 +14,7 @@ import os
 
 from sglang_kvsparse.backends import backend_choices
 from sglang_kvsparse.config import PRESETS, SparsityConfig, SparsityConfigError, parse_config
+from sglang_kvsparse.model_support import check_supported, model_shape, read_config
 from sglang_kvsparse.serving_defaults import LaunchError, ModelShape
 
 #: Environment variable carrying the effective sparsity configuration (JSON) to every process.
@@ -67,14 +68,22 @@ def sparsity_from_args(args: argparse.Namespace) -> SparsityConfig:
     )
 
 
-def validate_for_model(config: SparsityConfig, shape: ModelShape | None) -> None:
+def validate_for_model(config: SparsityConfig, shape: ModelShape) -> None:
     """Check the configuration against the model: layer indices inside it, budgets that fit."""
-    if shape is None:
-        return
     try:
         config.resolve(shape.num_layers, shape.context_len)
     except SparsityConfigError as exc:
         raise LaunchError(str(exc)) from None
+
+
+def check_model(config: SparsityConfig, model_path: str) -> None:
+    """With sparsity on: the model's config is read (a local folder or a hub id), the model is
+    one the sparse layers can serve (`model_support`), and the configuration fits it."""
+    if not config.enabled:
+        return
+    model_config = read_config(model_path)
+    check_supported(model_path, model_config)
+    validate_for_model(config, model_shape(model_config))
 
 
 def export_to_processes(config: SparsityConfig) -> None:

@@ -8,7 +8,6 @@ traceback (a missing model folder, a port already taken). Nothing here imports S
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from dataclasses import dataclass
@@ -77,7 +76,7 @@ def check_model_path(model_path: str) -> None:
     """Fail early and in one line when a local model folder does not exist.
 
     A Hugging Face hub id (``org/name``, not present locally) is passed through: SGLang fetches it
-    where the hub is reachable.
+    where the hub is reachable (with sparsity on, `model_support.read_config` reads its config).
     """
     path = Path(model_path).expanduser()
     if path.is_dir():
@@ -96,19 +95,3 @@ def check_port_free(host: str, port: int) -> None:
             sock.bind((host, port))
         except OSError as exc:
             raise LaunchError(f"--port {port}: already in use on {host} ({exc.strerror})") from None
-
-
-def read_model_shape(model_path: str) -> ModelShape | None:
-    """The model's layer count, context length and KV shape, from a local config.json."""
-    config_file = Path(model_path).expanduser() / "config.json"
-    if not config_file.is_file():
-        return None
-    config = json.loads(config_file.read_text())
-    config = config.get("text_config", config)
-    num_heads = config["num_attention_heads"]
-    return ModelShape(
-        num_layers=config["num_hidden_layers"],
-        context_len=config.get("max_position_embeddings", 0),
-        num_kv_heads=config.get("num_key_value_heads", num_heads),
-        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
-    )

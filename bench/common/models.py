@@ -66,11 +66,11 @@ def prepare_dummy_model(name: str, dest: Path, shape: str = "full") -> Path:
     config.update(SHAPES[shape])
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.json").write_text(json.dumps(config, indent=2))
-    _write_placeholder_tokenizer(dest, config)
+    write_placeholder_tokenizer(dest, config)
     return dest
 
 
-def _write_placeholder_tokenizer(dest: Path, config: dict) -> None:
+def write_placeholder_tokenizer(dest: Path, config: dict) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab_size = config["vocab_size"]

@@ -1,0 +1,101 @@
+"""Which models the sparse layers can serve, decided from config.json before SGLang starts.
+
+A sparse layer replaces its attention by plain causal softmax attention over the entries it
+keeps, with one K and one V per token and KV head (`sparse_attention.py`). Whatever a model's
+attention adds to that would be dropped without a word: a server that starts and answers, wrongly.
+So a model whose config declares any of these is refused in one line naming the reason:
+- sliding-window, chunked or hybrid layers (a window, or layers of other kinds: linear attention,
+  state-space) - the sparse layers attend over every kept key;
+- attention logit soft-capping (Gemma 2) - the kernels do not cap logits;
+- ALiBi position biases - the kernels add no bias;
+- multi-head latent attention (DeepSeek's MLA: compressed KV, K and V of other sizes);
+- cross-attention layers and encoder-decoder models - only self-attention over the request.
+The final-logit soft-capping of the LM head is not attention and is left alone. No SGLang imports.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from sglang_kvsparse.serving_defaults import LaunchError, ModelShape
+
+#: `layer_types` entries of plain full attention (any other kind is a different layer).
+FULL_ATTENTION_LAYER = "full_attention"
+#: Model types whose attention always adds ALiBi biases (their configs carry no flag for it).
+ALIBI_MODEL_TYPES = frozenset({"bloom"})
+
+
+def read_config(model_path: str) -> dict[str, Any]:
+    """The model's config.json, from a local folder or, for a hub id, the hub (or its cache)."""
+    local = Path(model_path).expanduser() / "config.json"
+    try:
+        if local.is_file():
+            return json.loads(local.read_text())
+        from huggingface_hub import hf_hub_download
+
+        return json.loads(Path(hf_hub_download(model_path, "config.json")).read_text())
+    except Exception as exc:  # any failure to read it is the same one-line answer
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise LaunchError(
+            f"--model-path {model_path}: cannot read its config.json ({reason}); sparse layers need it "
+            "to check the model (--kvsparse-preset off serves it without sparsity)"
+        ) from None
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a config (multimodal configs nest it)."""
+    return config.get("text_config", config)
+
+
+def model_shape(config: dict[str, Any]) -> ModelShape:
+    """The layer count, context length and KV shape sparsity is validated against."""
+    text = text_config(config)
+    num_heads = text["num_attention_heads"]
+    return ModelShape(
+        num_layers=text["num_hidden_layers"],
+        context_len=text.get("max_position_embeddings", 0),
+        num_kv_heads=text.get("num_key_value_heads") or num_heads,
+        head_dim=text.get("head_dim") or text["hidden_size"] // num_heads,
+    )
+
+
+def unsupported_features(config: dict[str, Any]) -> list[str]:
+    """Why the sparse layers cannot serve this model (empty: they can)."""
+    text = text_config(config)
+    attn = text.get("attn_config") or {}  # MPT keeps its attention settings apart
+    found = []
+    other_layers = sorted({kind for kind in text.get("layer_types") or () if kind != FULL_ATTENTION_LAYER})
+    if other_layers:
+        found.append(f"layers of other kinds ({', '.join(other_layers)})")
+    window_in_use = text.get("use_sliding_window", True)  # Qwen2 declares a window it does not use
+    if window_in_use and any(text.get(key) for key in ("sliding_window", "interleaved_sliding_window")):
+        found.append("sliding-window attention")
+    if text.get("attention_chunk_size"):
+        found.append("chunked attention")
+    if text.get("attn_logit_softcapping"):
+        found.append("attention logit soft-capping")
+    alibi_flag = text.get("alibi") or attn.get("alibi") or text.get("position_embedding_type") == "alibi"
+    if alibi_flag or text.get("model_type") in ALIBI_MODEL_TYPES:
+        found.append("ALiBi position biases")
+    if text.get("kv_lora_rank") or text.get("q_lora_rank"):
+        found.append("multi-head latent attention (MLA)")
+    if text.get("cross_attention_layers"):
+        found.append("cross-attention layers")
+    if config.get("is_encoder_decoder") or text.get("is_encoder_decoder"):
+        found.append("an encoder-decoder architecture")
+    if any(key in text for key in ("ssm_state_size", "mamba_d_state", "linear_conv_kernel_dim")):
+        found.append("state-space or linear-attention layers")
+    return found
+
+
+def check_supported(model_path: str, config: dict[str, Any]) -> None:
+    """Refuse, in one line, a model the sparse layers would serve wrongly."""
+    found = unsupported_features(config)
+    if found:
+        architecture = ", ".join(config.get("architectures") or [config.get("model_type", "this model")])
+        raise LaunchError(
+            f"--model-path {model_path}: sparse layers cannot serve {architecture}: {'; '.join(found)} "
+            "(--kvsparse-preset off serves it as stock SGLang)"
+        )

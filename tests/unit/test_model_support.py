@@ -1,0 +1,105 @@
+"""Models the sparse layers would serve wrongly are refused before SGLang starts, in one line
+naming why; the models they serve pass. Configs are excerpts of the public config.json files
+(only the keys that decide), plus the shape keys every config has."""
+
+import json
+
+import pytest
+
+from sglang_kvsparse import launch_server, options
+from sglang_kvsparse.model_support import check_supported, read_config, unsupported_features
+from sglang_kvsparse.serving_defaults import LaunchError
+
+SHAPE = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
+
+REFUSED = {
+    "gemma-2 (sliding window, soft-capping)": (
+        {"model_type": "gemma2", "sliding_window": 4096, "attn_logit_softcapping": 50.0},
+        ["sliding-window attention", "attention logit soft-capping"],
+    ),
+    "gemma-3 (hybrid layers)": (
+        {"model_type": "gemma3_text", "sliding_window": 1024, "layer_types": ["sliding_attention", "full_attention"]},
+        ["layers of other kinds (sliding_attention)", "sliding-window attention"],
+    ),
+    "mistral-7b-v0.1 (sliding window)": (
+        {"model_type": "mistral", "sliding_window": 4096},
+        ["sliding-window attention"],
+    ),
+    "llama-4 (chunked attention)": ({"model_type": "llama4_text", "attention_chunk_size": 8192}, ["chunked attention"]),
+    "qwen3-next (linear attention)": (
+        {
+            "model_type": "qwen3_next",
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_conv_kernel_dim": 4,
+        },
+        ["layers of other kinds (linear_attention)", "state-space or linear-attention layers"],
+    ),
+    "jamba (state-space layers)": (
+        {"model_type": "jamba", "mamba_d_state": 16},
+        ["state-space or linear-attention layers"],
+    ),
+    "deepseek-v3 (MLA)": (
+        {"model_type": "deepseek_v3", "kv_lora_rank": 512, "q_lora_rank": 1536},
+        ["multi-head latent attention (MLA)"],
+    ),
+    "mpt (ALiBi)": ({"model_type": "mpt", "attn_config": {"alibi": True}}, ["ALiBi position biases"]),
+    "bloom (ALiBi)": ({"model_type": "bloom"}, ["ALiBi position biases"]),
+    "mllama (cross-attention)": (
+        {"model_type": "mllama", "text_config": {**SHAPE, "cross_attention_layers": [3, 8]}},
+        ["cross-attention layers"],
+    ),
+    "t5 (encoder-decoder)": ({"model_type": "t5", "is_encoder_decoder": True}, ["an encoder-decoder architecture"]),
+}
+
+SERVED = {
+    "llama-3.1": {"model_type": "llama", "rope_scaling": {"rope_type": "llama3"}},
+    "qwen2 (declared window not in use)": {"model_type": "qwen2", "sliding_window": 32768, "use_sliding_window": False},
+    "mistral-nemo (no window)": {"model_type": "mistral", "sliding_window": None},
+    "gemma-2-style final-logit soft-capping only": {"model_type": "x", "final_logit_softcapping": 30.0},
+    "falcon without alibi": {"model_type": "falcon", "alibi": False},
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_model_feature_the_sparse_layers_cannot_serve_is_refused_in_one_line(name):
+    config, reasons = REFUSED[name]
+    config = {**SHAPE, **config}
+    assert unsupported_features(config) == reasons
+    with pytest.raises(LaunchError) as refused:
+        check_supported("some/model", config)
+    message = str(refused.value)
+    assert "\n" not in message and "sparse layers cannot serve" in message and "--kvsparse-preset off" in message
+    assert all(reason in message for reason in reasons)
+
+
+@pytest.mark.parametrize("name", sorted(SERVED))
+def test_the_models_the_sparse_layers_serve_pass(name):
+    assert unsupported_features({**SHAPE, **SERVED[name]}) == []
+
+
+def test_a_hub_id_is_checked_through_the_hub_and_an_unreadable_config_is_one_line(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    (tmp_path / "config.json").write_text(json.dumps({**SHAPE, "model_type": "gemma2", "sliding_window": 4096}))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name: str(tmp_path / name))
+    assert read_config("google/gemma-2-9b")["model_type"] == "gemma2"
+
+    def offline(repo, name):
+        raise OSError("We couldn't connect to 'https://huggingface.co'\nsecond line")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(LaunchError, match=r"cannot read its config.json \(We couldn't connect .*\)") as refused:
+        read_config("google/gemma-2-9b")
+    assert "\n" not in str(refused.value)
+
+
+def test_the_launcher_refuses_before_sglang_starts_and_stock_mode_does_not_check(tmp_path, monkeypatch):
+    config = {**SHAPE, "architectures": ["Gemma2ForCausalLM"], "sliding_window": 4096, "max_position_embeddings": 8192}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.delenv(options.CONFIG_ENV, raising=False)
+    monkeypatch.setattr(launch_server, "gpu_available", lambda: True)  # no CPU engine switch in this process
+    argv = ["--model-path", str(tmp_path), "--port", "0"]
+    with pytest.raises(LaunchError, match="sparse layers cannot serve Gemma2ForCausalLM: sliding-window attention"):
+        launch_server.build_sglang_argv(argv)
+    assert launch_server.build_sglang_argv([*argv, "--kvsparse-preset", "off"])  # stock SGLang: served as is
+    monkeypatch.delenv(options.CONFIG_ENV, raising=False)
