@@ -83,6 +83,8 @@ class SparseGroup:
 
     def mirror_rows(self, rows: torch.Tensor) -> None:
         """Copy whole request rows (their entries and score rows) to the device tables."""
+        if rows.numel() == 0:  # a decode step: no new request, nothing to copy or launch
+            return
         device = self.device_table.device
         index = rows.to(device)
         self.device_table[index] = self.table.table[rows].to(device, torch.int32)
@@ -90,6 +92,8 @@ class SparseGroup:
 
     def mirror_pages(self, rows: torch.Tensor, starts: torch.Tensor) -> None:
         """Copy the page starting at position starts[i] of each request row rows[i]."""
+        if rows.numel() == 0:  # no row started a page this step
+            return
         device = self.device_table.device
         positions = starts[:, None] + torch.arange(self.table.page_size)
         entries = self.table.table[rows[:, None], positions]  # [n, page, columns]
