@@ -13,6 +13,7 @@ next chunk of a chunked prompt; once a chunk before its prompt's last is admitte
 request starts a chunk in that round (SGLang tracks one chunked request). A request that would
 reuse much more of a prompt admitted in the same round waits for the next round
 (`AddReqResult.OTHER`: SGLang stops adding for this round without marking the batch full).
+A fault in this per-request work fails the request alone (`patches/faults.py`).
 
 AFTER `ReqToTokenPool.alloc` (`expect_rows`): when SGLang gives admitted requests their rows, the
 state learns how long each may grow, so that only requests that will evict get score rows,
@@ -30,7 +31,7 @@ from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResul
 
 from sglang_kvsparse.admission import AdmissionRound, running_growth
 
-from . import context
+from . import context, faults
 
 _ROUND = "_kvsparse_admission"
 
@@ -83,14 +84,22 @@ def charging(adder: Any, req: Any) -> Iterator[None]:
 
 def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """The AROUND hook (see the module doc)."""
+    if faults.sits_out(req):
+        return AddReqResult.CONTINUE
     state = context.state()
     round_ = adder.__dict__.get(_ROUND) or _start_round(adder)
-    token_ids = req.origin_input_ids + req.output_ids if state.store is not None else ()
-    if token_ids and round_.should_wait(token_ids, req.prefix_len):
-        return AddReqResult.OTHER  # ends this round's admission; first in line for the next
-    prefix = prefix_ids(adder.tree_cache, req)
-    if prefix is not None:
-        state.pin_prefix(prefix)
+    token_ids, prefix = (), None
+    if req.to_finish is None:  # one SGLang aborts prefills a single token: nothing to check or pin
+        with faults.request_guard(req, "admission"):
+            token_ids = req.origin_input_ids + req.output_ids if state.store is not None else ()
+            if token_ids and round_.should_wait(token_ids, req.prefix_len):
+                return AddReqResult.OTHER  # ends this round's admission; first in line for the next
+            prefix = prefix_ids(adder.tree_cache, req)
+            if prefix is not None:
+                state.pin_prefix(prefix)
+            faults.inject("admission", req)
+        if faults.sits_out(req):
+            return AddReqResult.CONTINUE  # its pins go at the next round's start (`finish_forward`)
     admitted_before = len(adder.can_run_list)
     with charging(adder, req):
         result = original(adder, req, *args, **kwargs)
@@ -105,12 +114,17 @@ def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any
 
 
 def admit_chunk(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND `add_chunked_req`: the next chunk of a chunked prompt is charged its sparse rows."""
+    """AROUND `add_chunked_req`: the next chunk of a chunked prompt is charged its sparse rows.
+
+    While the prompt has chunks left (SGLang returns it), no other request starts a chunk this
+    round, whether this chunk was admitted or refused for memory: SGLang tracks one chunked
+    request, and a new one beside a refused continuation fails its `chunked_req is None` assertion
+    (stock's charge always fits a continuation; the sparse charge may not, until rows free)."""
     if _ROUND not in adder.__dict__:
         _start_round(adder)
     with charging(adder, req):
         result = original(adder, req, *args, **kwargs)
-    if result is not None and req in adder.can_run_list:
+    if result is not None:
         _spend_chunk_budget(adder)
     return result
 

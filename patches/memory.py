@@ -29,6 +29,7 @@ from sglang_kvsparse.accounting import footprint_table, format_footprint_table, 
 from sglang_kvsparse.backends import BACKEND_OPTIONS, WRAPPED_BACKENDS
 from sglang_kvsparse.config import SparsityConfig
 from sglang_kvsparse.layout import HeapLayout, heap_rows, scores_per_row
+from sglang_kvsparse.model_support import unsupported_features
 from sglang_kvsparse.sparse_state import LaneBuffers, SparseState
 
 from . import allocator, attention, context
@@ -43,9 +44,9 @@ def make_size_heap(config: SparsityConfig):
     """The AROUND hook for `hooks.SIZE_POOLS`, bound to the configuration."""
 
     def size_heap(original: Any, configurator: Any, *args: Any, **kwargs: Any) -> Any:
-        check_guards()
-        pool_config = original(configurator, *args, **kwargs)
         model = configurator.model_config
+        check_guards(model)
+        pool_config = original(configurator, *args, **kwargs)
         dtype_bytes, page = configurator.kv_cache_dtype.itemsize, configurator.page_size
         layout = HeapLayout.from_resolved(
             config.resolve(model.num_hidden_layers, model.context_len),
@@ -196,10 +197,13 @@ def needs_prefix_store(args: Any) -> bool:
     return not args.disable_radix_cache or (args.chunked_prefill_size or -1) > 0
 
 
-def check_guards() -> None:
-    """Refuse, in one line naming the flag, what the sparse layers cannot serve yet."""
+def check_guards(model: Any) -> None:
+    """Refuse, in one line naming the flag or the model's feature, what the sparse layers cannot
+    serve. The launcher refuses such models before SGLang starts (`options.check_model`); this
+    covers every other way in (`sglang.Engine`, `sglang.launch_server` with the plugin's variable):
+    an MLA model, say, would otherwise size an MHA heap from its latent cache."""
     args = get_server_args()
-    problems = []
+    problems = [f"the model has {feature}" for feature in unsupported_features(model.hf_config.to_dict())]
     if getattr(args, "tp_size", 1) != 1 or getattr(args, "dp_size", 1) != 1 or getattr(args, "pp_size", 1) != 1:
         problems.append("--tp-size/--dp-size/--pp-size must be 1 with layer-wise sparsity")
     if getattr(args, "speculative_algorithm", None):

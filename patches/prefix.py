@@ -9,7 +9,7 @@ score as it would without the hit (`SparseState.reusable_prefix_len`). AROUND `m
 tree matched more than that, match again with SGLang's own `max_prefix_len` limit, so the tree
 splits its node there and the request's prefix, lock and `cached_tokens` are exactly what will be
 reused. Full layers then recompute the few tokens past the cap, which keeps every layer's prefix
-the same length.
+the same length. A fault while capping fails the request alone (`patches/faults.py`).
 
 AROUND the tree's `insert` (`UnifiedRadixCache`, SGLang's default, and `RadixCache`; every
 insert: a chunk's checkpoint, a finished request): where the tree already held some of the
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import context
+from . import context, faults
 
 
 def cap_match(
@@ -40,8 +40,11 @@ def cap_match(
     result = original(req, tree_cache, token_ids, cow_mamba=cow_mamba, max_prefix_len=max_prefix_len)
     if not req.prefix_len:
         return result
-    seq_len = len(req.origin_input_ids) + len(req.output_ids) if token_ids is None else len(token_ids)
-    usable = context.state().reusable_prefix_len(tree_cache.prefix_device_indices(req).to("cpu"), seq_len)
+    usable = 0  # a request failed by a fault reuses nothing; it retires in the next round
+    with faults.request_guard(req, "prefix match"):
+        faults.inject("match", req)
+        seq_len = len(req.origin_input_ids) + len(req.output_ids) if token_ids is None else len(token_ids)
+        usable = context.state().reusable_prefix_len(tree_cache.prefix_device_indices(req).to("cpu"), seq_len)
     if usable >= req.prefix_len:
         return result
     limit = usable if max_prefix_len is None else min(usable, max_prefix_len)

@@ -469,9 +469,20 @@ class SparseState:
         if taken is None:
             raise HeapExhausted(
                 f"the KV heap has {self.heap.free_rows()} free rows for {rows} sparse entries: "
-                "admission let in more than fits"
+                f"admission let in more than fits ({self.describe_heap()})"
             )
         return taken.to("cpu", torch.int64)
+
+    def describe_heap(self) -> str:
+        """Who holds the heap's rows, for an error message."""
+        store = "no store"
+        if self.store is not None:
+            store = f"prefix store {self.store.rows()} ({self.reclaimable_rows()} reclaimable)"
+        sparse = ", ".join(f"group {i}: {self.sparse_rows(g)}" for i, g in enumerate(self.groups))
+        return (
+            f"{self.requests_running()} requests, sparse rows {sparse}; {store}; "
+            f"{self.deferred_rows()} evicted rows awaiting the forward"
+        )
 
     def take_for_store(self, rows: int) -> torch.Tensor:
         """Up to `rows` heap rows for the prefix store, whole store blocks only, making room first

@@ -4,7 +4,8 @@
 - "sparse": the project's launcher with sparse layers whose budgets cover every length (lossless);
 - "evicting": sparse layers with a budget of 256 that really evict, in a KV pool small enough
   (`EVICTING_ARGS`) that concurrent requests force SGLang to retract;
-- "unchunked": the evicting server's settings without chunked prefill;
+- "unchunked": the evicting server's settings without chunked prefill, with faults injected for
+  requests whose rid says so (`FAULT_INJECTION`);
 - "stock": stock SGLang.
 
 All serve the embedded default model in float32 with the same KV pool, so any difference in their
@@ -54,6 +55,9 @@ EVICTING_ARGS = [
     "--enable-cache-report",
 ]
 RETRACTING_ENV = {"SGLANG_INIT_NEW_TOKEN_RATIO": "0.05"}
+#: `patches/faults.py`: requests with these rid prefixes fail in the sparse admission / prefix match.
+FAULT_ADMISSION_RID, FAULT_MATCH_RID = "kvsparse-fault-admission-", "kvsparse-fault-match-"
+FAULT_INJECTION = {"SGLANG_KVSPARSE_FAULT": f"admission:{FAULT_ADMISSION_RID},match:{FAULT_MATCH_RID}"}
 
 
 @pytest.fixture(scope="session")
@@ -92,7 +96,7 @@ def servers(model_path, tmp_path_factory):
             "unchunked",
             [PYTHON, "-m", "sglang_kvsparse.launch_server", *EVICTING_ARGS, "--chunked-prefill-size", "-1"],
             log_dir,
-            server_env(),
+            {**server_env(), **FAULT_INJECTION},
         ),
         "stock": Server("stock", [PYTHON, "-m", "sglang.launch_server", *stock_args], log_dir, stock_env),
     }
@@ -118,6 +122,11 @@ def sparse_server(servers) -> Server:
 @pytest.fixture(scope="session")
 def evicting_server(servers) -> Server:
     return servers["evicting"]
+
+
+@pytest.fixture(scope="session")
+def unchunked_server(servers) -> Server:
+    return servers["unchunked"]
 
 
 @pytest.fixture(scope="session")

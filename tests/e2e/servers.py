@@ -103,3 +103,14 @@ def assert_every_slot_back(stats: dict) -> None:
     assert (heap["full_running"], heap["sparse"], heap["evicting"]) == (0, 0, 0), heap
     assert heap["free"] + heap["full_cached"] + heap["prefix_store"] == heap["rows_total"], heap
     assert all(row["slots_in_use"] == 0 for row in stats["layers"])
+
+
+def assert_at_rest(server: Server) -> dict:
+    """Once idle, every slot is back (`assert_every_slot_back`); after a cache flush the radix tree
+    and the prefix store give their rows back too. Returns the idle stats."""
+    stats = server.idle_stats()
+    assert_every_slot_back(stats)
+    server.flush_cache()
+    heap = server.stats()["heap"]
+    assert heap["free"] == heap["rows_total"], heap
+    return stats

@@ -14,20 +14,11 @@ from kvsparse_testbed.texts import essay_text
 
 from .conftest import EVICTING_BUDGET
 from .prompts import SHORT_PROMPTS, long_prompt
-from .servers import assert_every_slot_back
+from .servers import assert_at_rest
 
 pytestmark = pytest.mark.e2e
 
 EVICT_PAGE = 16  # SparsityConfig.evict_page default
-
-
-def _assert_idle_with_every_slot_back(server) -> dict:
-    stats = server.idle_stats()
-    assert_every_slot_back(stats)
-    server.flush_cache()
-    heap = server.stats()["heap"]  # the radix tree and the prefix store give their rows back too
-    assert heap["free"] == heap["rows_total"], heap
-    return stats
 
 
 def test_sparse_layers_hold_at_most_budget_plus_a_page_while_decoding(servers):
@@ -55,7 +46,7 @@ def test_sparse_layers_hold_at_most_budget_plus_a_page_while_decoding(servers):
         assert all(row["slots_in_use"] > 2800 for row in full)  # the whole ~3,000-token sequence
         assert all(EVICTING_BUDGET <= row["slots_in_use"] <= EVICTING_BUDGET + EVICT_PAGE for row in sparse)
         assert stats["kv_bytes_in_use"] < 0.2 * stats["kv_bytes_if_dense"]
-    final = _assert_idle_with_every_slot_back(evicting_server)
+    final = assert_at_rest(evicting_server)
     assert final["evictions"] - evictions_before >= 80 // EVICT_PAGE - 1  # one per page of decode
 
 
@@ -87,13 +78,13 @@ def test_retractions_forced_by_a_small_heap_return_every_slot(evicting_server):
     assert all(len(result["output_ids"]) == 140 for result in results)
     assert all(result["meta_info"]["prompt_tokens"] + 140 < EVICTING_BUDGET for result in results)
     assert "KV cache pool is full. Retract requests." in evicting_server.log()[log_start:]
-    _assert_idle_with_every_slot_back(evicting_server)
+    assert_at_rest(evicting_server)
 
 
 def test_aborted_stream_returns_every_slot(evicting_server):
     stats = evicting_server.abort_mid_stream(long_prompt(4000), chunks=EVICTING_BUDGET)  # has evicted
     assert stats["requests_running"] == 1
-    _assert_idle_with_every_slot_back(evicting_server)
+    assert_at_rest(evicting_server)
 
 
 def test_prometheus_gauges_sit_beside_sglangs(evicting_server):

@@ -1,0 +1,44 @@
+"""The scheduler-side guard (`patches/memory.check_guards`, the first kvsparse code in a scheduler
+process) refuses a model the sparse layers cannot serve even when the project's launcher was
+bypassed (`sglang.Engine`, `sglang.launch_server` with the plugin's variable): an MLA model would
+otherwise have an MHA heap sized from its latent cache."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 8, "num_hidden_layers": 4}
+DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "kv_lora_rank": 512, "q_lora_rank": 1536}
+GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 50.0, "sliding_window": 4096}
+
+
+def _model(config: dict) -> SimpleNamespace:
+    return SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: dict(config)))
+
+
+@pytest.fixture
+def memory(monkeypatch):
+    from sglang_kvsparse.patches import attention, memory
+
+    args = SimpleNamespace(tp_size=1, dp_size=1, pp_size=1, speculative_algorithm=None, kv_cache_dtype="auto")
+    monkeypatch.setattr(memory, "get_server_args", lambda: args)
+    monkeypatch.setattr(attention, "installed", lambda: True)
+    monkeypatch.setattr(memory, "unpatched", lambda: [])
+    return memory
+
+
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [(DEEPSEEK, "multi-head latent attention"), (GEMMA2, "attention logit soft-capping")],
+)
+def test_a_model_the_sparse_layers_cannot_serve_is_refused_in_the_scheduler(memory, config, reason):
+    with pytest.raises(memory.KVSparseStartupError, match=reason):
+        memory.check_guards(_model(config))
+
+
+def test_a_plain_model_passes_the_scheduler_guard(memory):
+    memory.check_guards(_model(LLAMA))
