@@ -407,27 +407,26 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     mix = MixSettings(args.requests, args.max_prompt_tokens, text_tokens=args.max_prompt_tokens * 3, seed=args.seed)
     soak_settings = SoakSettings(mix, args.concurrency, args.time_limit_s)
-    server = " ".join(["python -m sglang_kvsparse.launch_server", *args_for_report(shared, model_dir), *PROJECT_FLAGS])
+    command = " ".join(["python -m sglang_kvsparse.launch_server", *args_for_report(shared, model_dir), *PROJECT_FLAGS])
+    served_by = command if args.url is None else f"the server at {args.url} (given)"
     with ExitStack() as stack:
         url, stock_url = args.url, args.stock_url
-        if url is not None:
-            server = f"the server at {url} (given)"
         if url is None or stock_url is None:
             project = server_for("project", PROJECT_FLAGS, shared, settings, log_dir, say)
             project = dataclasses.replace(project, env={**project.env, **RETRACTING_ENV})
             stock = server_for(STOCK, (), shared, settings, log_dir, say)
             started = [s for s, given in ((project, url), (stock, stock_url)) if given is None]
-            for server in started:
-                server.launch()
-                stack.callback(server.stop)
-            for server in started:
-                server.wait_ready()
+            for process in started:
+                process.launch()
+                stack.callback(process.stop)
+            for process in started:
+                process.wait_ready()
             url, stock_url = url or project.base_url, stock_url or stock.base_url
         soak = run_soak(url, stock_url, soak_settings, tokenizer)
     report = {
         "date": date,
         "machine": machine(),
-        "server": server,
+        "server": served_by,
         "env": RETRACTING_ENV if args.url is None else {},
         "settings": {"seed": args.seed, "concurrency": args.concurrency, "max_prompt_tokens": args.max_prompt_tokens},
         "soak": soak,
