@@ -247,9 +247,9 @@ def compare_with_stock(
     }
 
 
-def answer_of(url: str, endpoint: str, payload: dict[str, Any], **extra: Any) -> str:
+def answer_of(url: str, endpoint: str, payload: dict[str, Any]) -> str:
     """The one answer's text of a non-streamed replay of `payload`."""
-    body = {**payload, "stream": False, **extra}
+    body = {**payload, "stream": False}
     body.pop("rid", None)
     body.pop("stream_options", None)
     response = requests.post(url + PATHS[endpoint], json=body, timeout=REQUEST_TIMEOUT_S)
