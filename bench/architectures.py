@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from common.models import SHAPES, write_placeholder_tokenizer
 from common.report import ReportPaths
 from common.systems import ServerSettings, server_for, shared_server_args
 
+from kvsparse_testbed.dummy_models import SHAPES, write_dummy_model
 from kvsparse_testbed.server import ServerStartError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,12 +67,7 @@ def say(message: str) -> None:
 
 
 def model_folder(work: Path, architecture: str, keys: dict[str, Any]) -> Path:
-    folder = work / architecture
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {**SHAPE, "architectures": [architecture], **keys}
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    write_placeholder_tokenizer(folder, config)
-    return folder
+    return write_dummy_model(work / architecture, {**SHAPE, "architectures": [architecture], **keys})
 
 
 def serve_once(architecture: str, folder: Path, log_dir: Path) -> dict[str, Any]:

@@ -17,6 +17,9 @@ Steps, each timed; a failing step is recorded and the run goes on:
             5,000 in / 500 out at concurrency 8 and 32, stock SGLang (its default backend, CUDA
             graphs on) against the project (SGLang's default backend in the full layers, sparse
             layers with a budget of 1,024; CUDA graphs not wired yet). (CPU: its dry run.)
+  serving-tp2  the same at ``--tp-size 2`` for both systems (``gpu-check-serving-tp2``): needs two
+            GPUs, and is recorded as skipped, with the reason, on one. (CPU: its dry run, two
+            ranks of the dry-run model, which has two KV heads.)
 
 Writes ``<out-dir>/gpu-check-<date>[-dry-run].json`` and ``.md``, the device named in both.
 """
@@ -49,7 +52,8 @@ from tests.unit.host_sync import no_host_sync  # noqa: E402
 STEPS = 300
 GRAPH_BS = 6
 SERVING_PROFILE = "gpu-check-serving"
-STEP_NAMES = ("kernels", "no-sync", "graph", "serving")
+SERVING_TP2_PROFILE = "gpu-check-serving-tp2"
+STEP_NAMES = ("kernels", "no-sync", "graph", "serving", "serving-tp2")
 
 
 def say(message: str) -> None:
@@ -166,10 +170,11 @@ def check_kernels(out_dir: Path, dry_run: bool) -> dict[str, Any]:
     return run_script(["bench/kernels.py", "--out-dir", str(out_dir), *(["--dry-run"] if dry_run else [])], 900)
 
 
-def check_serving(out_dir: Path, dry_run: bool) -> dict[str, Any]:
-    args = ["bench/serving.py", "--profile", SERVING_PROFILE, "--out-dir", str(out_dir)]
+def check_serving(out_dir: Path, dry_run: bool, profile: str = SERVING_PROFILE) -> dict[str, Any]:
+    args = ["bench/serving.py", "--profile", profile, "--out-dir", str(out_dir)]
     result = run_script([*args, *(["--dry-run"] if dry_run else [])], 1500)
-    reports = sorted(out_dir.glob(f"{SERVING_PROFILE}*.json"))
+    name = f"{profile}-dry-run" if dry_run else profile
+    reports = sorted(out_dir.glob(f"{name}-[0-9]*.json"))
     if reports:
         systems = json.loads(reports[-1].read_text())["systems"]
         result["systems"] = {
@@ -178,6 +183,14 @@ def check_serving(out_dir: Path, dry_run: bool) -> dict[str, Any]:
         }
         result["ok"] = result["ok"] and all(system["error"] is None for system in systems)
     return result
+
+
+def check_serving_tp2(out_dir: Path, dry_run: bool) -> dict[str, Any]:
+    """`check_serving` at --tp-size 2, where two GPUs (or the CPU dry run) allow it."""
+    gpus = torch.cuda.device_count()
+    if not dry_run and gpus < 2:
+        return {"ok": True, "skipped": f"--tp-size 2 needs two GPUs, this machine has {gpus}"}
+    return check_serving(out_dir, dry_run, SERVING_TP2_PROFILE)
 
 
 def _summary(run: dict[str, Any]) -> dict[str, Any]:
@@ -234,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         "no-sync": lambda: check_no_sync(device),
         "graph": lambda: check_graph(device),
         "serving": lambda: check_serving(args.out_dir, args.dry_run),
+        "serving-tp2": lambda: check_serving_tp2(args.out_dir, args.dry_run),
     }
     chosen = args.steps.split(",")
     unknown = set(chosen) - set(steps)

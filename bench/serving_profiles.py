@@ -67,6 +67,7 @@ class Profile:
     client_timeout_s: float = 3600.0
     shape: str = "full"  # a dummy model's shape: common.models.SHAPES
     shared_prefix: SharedPrefix | None = None
+    tp_size: int = 1  # both systems' --tp-size
 
     @property
     def prompt_len(self) -> int:
@@ -83,6 +84,7 @@ class Profile:
             self.decode_log_interval,
             self.startup_timeout_s,
             self.shape,
+            self.tp_size,
         )
 
     def num_prompts(self, concurrency: int) -> int:
@@ -234,4 +236,13 @@ PROFILES["gpu-check-serving"] = dataclasses.replace(
     "sparse variant (layers 0-2 full, budget 1,024), to fit one lent-GPU run.",
     concurrencies=(8, 32),
     variants=(Variant("project-b1024", (*NOVITA_SPARSITY, "--kvsparse-budget", "1024")),),
+)
+
+#: The same at `--tp-size 2` (two GPUs): stock and project each on two ranks.
+PROFILES["gpu-check-serving-tp2"] = dataclasses.replace(
+    PROFILES["gpu-check-serving"],
+    name="gpu-check-serving-tp2",
+    description="The tensor-parallel serving step of bench/gpu_check.py: gpu-check-serving with "
+    "--tp-size 2 for stock and project alike (each rank holds half the KV heads).",
+    tp_size=2,
 )

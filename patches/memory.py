@@ -30,6 +30,7 @@ from sglang_kvsparse.backends import BACKEND_OPTIONS, WRAPPED_BACKENDS
 from sglang_kvsparse.config import SparsityConfig
 from sglang_kvsparse.layout import HeapLayout, heap_rows, scores_per_row
 from sglang_kvsparse.model_support import unsupported_features
+from sglang_kvsparse.parallelism import parallelism_problems
 from sglang_kvsparse.sparse_state import LaneBuffers, SparseState
 
 from . import allocator, attention, context
@@ -204,8 +205,7 @@ def check_guards(model: Any) -> None:
     an MLA model, say, would otherwise size an MHA heap from its latent cache."""
     args = get_server_args()
     problems = [f"the model has {feature}" for feature in unsupported_features(model.hf_config.to_dict())]
-    if getattr(args, "tp_size", 1) != 1 or getattr(args, "dp_size", 1) != 1 or getattr(args, "pp_size", 1) != 1:
-        problems.append("--tp-size/--dp-size/--pp-size must be 1 with layer-wise sparsity")
+    problems += parallelism_problems(getattr(args, "pp_size", 1), bool(getattr(args, "enable_dp_attention", False)))
     if getattr(args, "speculative_algorithm", None):
         problems.append("speculative decoding is not supported with layer-wise sparsity")
     if getattr(args, "kv_cache_dtype", "auto") not in ("auto", None):

@@ -1,20 +1,28 @@
 """`/kvsparse/stats` and the Prometheus gauges: the sparse layers' state (SGLang 0.5.23).
 
 The scheduler answers SGLang's internal-state query; an AFTER hook on it adds the sparse stats
-(`sglang_kvsparse.stats.collect`) under the key "kvsparse". The HTTP route, in the launcher's
-process, asks for that state the same way `/server_info` does and returns the first (DP=1)
-scheduler's entry.
+(`sglang_kvsparse.stats.collect`) under the key "kvsparse". With `--tp-size` above 1 every rank
+of a replica answers the query in the same place of its loop (SGLang broadcasts it to them), so
+the hook gathers the ranks' stats over the replica's CPU group and combines them
+(`stats.combine_tp_ranks`: counts that must agree, bytes that add up); only rank 0's reply
+reaches the server. The HTTP route, in the launcher's process, asks for that state the same way
+`/server_info` does, gets one reply per data-parallel replica and adds them up
+(`stats.combine_replicas`).
 
 With `--enable-metrics`, SGLang's scheduler logs its gauges through
-`SchedulerMetricsCollector.log_stats`; an AFTER hook sets ours next to them. prometheus_client
-runs in multiprocess mode there, so gauges made in the scheduler process appear on `/metrics`.
+`SchedulerMetricsCollector.log_stats`; an AFTER hook sets ours next to them, with SGLang's labels
+(`tp_rank`, `dp_rank` among them). prometheus_client runs in multiprocess mode there, so gauges
+made in the scheduler process appear on `/metrics`. SGLang logs from each replica's TP rank 0
+(every rank with `--enable-metrics-for-all-schedulers`): a dashboard sums a gauge over `dp_rank`;
+the `kv_bytes_*` gauges are one rank's KV heads' share, so with every rank logging they sum over
+`tp_rank` too.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from sglang_kvsparse.stats import SparseStats, collect
+from sglang_kvsparse.stats import SparseStats, collect, combine_replicas, combine_tp_ranks
 
 from . import context
 
@@ -46,9 +54,23 @@ def current_stats() -> SparseStats | None:
 
 
 def add_stats(result: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER hook: put the scheduler's sparse stats into its internal-state reply."""
+    """AFTER hook: put the replica's sparse stats (every TP rank's, combined) into the reply."""
     stats = current_stats()
-    result.internal_state["kvsparse"] = stats.to_dict() if stats is not None else {"enabled": False}
+    own = stats.to_dict() if stats is not None else {"enabled": False}
+    result.internal_state["kvsparse"] = combine_tp_ranks(gather_tp_ranks(own))
+
+
+def gather_tp_ranks(own: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every tensor-parallel rank's `own`, in rank order (a collective: every rank calls it)."""
+    import torch.distributed as dist
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return [own]
+    gathered: list[Any] = [None] * group.world_size
+    dist.all_gather_object(gathered, own, group=group.cpu_group)
+    return gathered
 
 
 def set_gauges(result: Any, collector: Any, *args: Any, **kwargs: Any) -> None:
@@ -82,7 +104,7 @@ def add_route() -> None:
 
     async def kvsparse_stats() -> dict:
         states = await http_server._global_state.tokenizer_manager.get_internal_state()
-        return states[0].get("kvsparse", {"enabled": False})
+        return combine_replicas([state.get("kvsparse", {"enabled": False}) for state in states])
 
     if not any(getattr(route, "path", None) == ROUTE for route in http_server.app.routes):
         http_server.app.add_api_route(ROUTE, kvsparse_stats, methods=["GET"])

@@ -1,16 +1,22 @@
-"""Import-time workaround that lets stock SGLang 0.5.23 run on a machine with no GPU.
+"""Import-time workarounds that let stock SGLang 0.5.23 run on a machine with no GPU.
 
-With ``SGLANG_USE_CPU_ENGINE=1`` a few SGLang modules import ``sgl_kernel`` at module level (for
-CPU kernels that the torch-native path never calls). PyPI's ``sglang-kernel`` only holds CUDA
-builds, so on a CPU machine the import fails and SGLang cannot start. This module installs a
-last-resort import finder that answers ``import sgl_kernel`` with a stand-in whose functions raise
-a clear error if anything ever calls them.
+1. With ``SGLANG_USE_CPU_ENGINE=1`` a few SGLang modules import ``sgl_kernel`` at module level (for
+   CPU kernels that the torch-native path never calls). PyPI's ``sglang-kernel`` only holds CUDA
+   builds, so on a CPU machine the import fails and SGLang cannot start. A last-resort import
+   finder answers ``import sgl_kernel`` with a stand-in whose functions raise a clear error if
+   anything ever calls them. It acts only when no real ``sgl_kernel`` is importable (the finder
+   sits at the end of ``sys.meta_path``, so a real install always wins).
+2. With ``--tp-size`` above 1, SGLang builds a PyNccl communicator for every model-parallel group
+   on every in-tree platform, the CPU included, and fails at start-up. Once its
+   ``parallel_state`` module is imported, the groups it builds default to no PyNccl
+   (`sglang_kvsparse.patches.cpu_parallel`), so their collectives fall back to
+   ``torch.distributed`` (gloo).
 
-It acts only when both hold: the CPU engine is requested (``SGLANG_USE_CPU_ENGINE=1``) and no real
-``sgl_kernel`` is importable (the finder sits at the end of ``sys.meta_path``, so a real install
-always wins). The CPU setup registers it in every Python process of the virtual environment
-through a ``.pth`` file, because SGLang spawns its scheduler processes and imports ``sgl_kernel``
-before any plugin code runs there. It imports nothing heavy: it runs at every interpreter start.
+Both act only with the CPU engine requested (``SGLANG_USE_CPU_ENGINE=1``), for stock SGLang and the
+sparse server alike: they adapt SGLang to the machine, not to the sparse layers. The CPU setup
+registers this module in every Python process of the virtual environment through a ``.pth`` file,
+because SGLang spawns its scheduler processes and imports ``sgl_kernel`` before any plugin code
+runs there. It imports nothing heavy: it runs at every interpreter start.
 """
 
 from __future__ import annotations
@@ -20,8 +26,15 @@ import importlib.machinery
 import os
 import sys
 import types
+from collections.abc import Callable
 
 STANDIN_ROOT = "sgl_kernel"
+PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
+
+
+def cpu_engine_requested() -> bool:
+    """SGLang's CPU engine switch, read when a module is looked up (processes inherit it)."""
+    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
 
 
 class _StandInModule(types.ModuleType):
@@ -52,9 +65,7 @@ class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path=None, target=None):
         # Only the top-level module: its submodules (scalar_type, mamba, ...) stay missing so that
         # SGLang's guarded imports of them fall back as on any machine without sgl_kernel.
-        if fullname != STANDIN_ROOT:
-            return None
-        if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
+        if fullname != STANDIN_ROOT or not cpu_engine_requested():
             return None
         return importlib.machinery.ModuleSpec(fullname, self)
 
@@ -67,10 +78,49 @@ class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
 
+class _AfterImportLoader(importlib.abc.Loader):
+    """A module's own loader, then `action` on the executed module."""
+
+    def __init__(self, loader: importlib.abc.Loader, action: Callable[[types.ModuleType], None]) -> None:
+        self.loader, self.action = loader, action
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        self.action(module)
+
+
+class _ParallelStateFinder(importlib.abc.MetaPathFinder):
+    """Finds SGLang's ``parallel_state`` through the other finders and patches it once loaded."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != PARALLEL_STATE or not cpu_engine_requested():
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _AfterImportLoader(spec.loader, _patch_parallel_state)
+                return spec
+        return None
+
+
+def _patch_parallel_state(module: types.ModuleType) -> None:
+    from sglang_kvsparse.patches.cpu_parallel import default_no_pynccl
+
+    default_no_pynccl(module)
+
+
 def install() -> None:
-    """Append the stand-in finder to ``sys.meta_path`` once (idempotent)."""
+    """Put the finders on ``sys.meta_path`` once (idempotent): the stand-in last, the
+    ``parallel_state`` patch first."""
     if not any(isinstance(finder, _StandInFinder) for finder in sys.meta_path):
         sys.meta_path.append(_StandInFinder())
+    if not any(isinstance(finder, _ParallelStateFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _ParallelStateFinder())
 
 
 install()

@@ -5,13 +5,16 @@ Every ``sglang.launch_server`` argument passes through unchanged. On top of it:
   and a model the sparse layers would serve wrongly refused (`model_support.py`);
 - no ``--model-path``: the embedded default model (SmolLM2-135M-Instruct) is served;
 - no GPU: the CPU engine, the torch-native attention backend and a bounded KV pool are chosen,
-  each one stated, and only where the user did not choose;
+  each one stated, and only where the user did not choose; with several ranks (`--tp-size`,
+  `--dp-size`) each gets its share of the CPU cores (SGLang asks for one per rank);
+- a parallel setting the sparse layers cannot serve (`parallelism.py`) is refused up front;
 - bad input (missing model folder, port in use, invalid sparsity option) is one line, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from sglang_kvsparse.backends import BACKEND_OPTIONS
@@ -20,10 +23,12 @@ from sglang_kvsparse.models import ModelUnavailableError, ensure_default_model
 from sglang_kvsparse.options import (
     add_sparsity_arguments,
     check_model,
+    check_parallelism,
     export_to_processes,
     sparse_sglang_defaults,
     sparsity_from_args,
 )
+from sglang_kvsparse.parallelism import THREADS_BIND_ENV, cpu_thread_binding
 from sglang_kvsparse.serving_defaults import (
     LaunchError,
     as_cli_flags,
@@ -57,6 +62,10 @@ def _own_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default=_DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=_DEFAULT_PORT)
     parser.add_argument("--mem-fraction-static", type=float)
+    parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
+    parser.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1)
+    parser.add_argument("--pp-size", "--pipeline-parallel-size", dest="pp_size", type=int, default=1)
+    parser.add_argument("--enable-dp-attention", action="store_true")
     for option in BACKEND_OPTIONS:
         parser.add_argument("--" + option.replace("_", "-"), dest=option)
     return parser
@@ -96,6 +105,7 @@ def build_sglang_argv(argv: list[str]) -> list[str]:
     except SparsityConfigError as exc:
         raise LaunchError(str(exc)) from None
     check_model(config, model_path)
+    check_parallelism(config, own.pp_size, own.enable_dp_attention)
     export_to_processes(config)
     _say(f"sparsity: {config.describe()}")
     given = {name: getattr(own, name) for name in ("mem_fraction_static", *BACKEND_OPTIONS)}
@@ -113,6 +123,13 @@ def build_sglang_argv(argv: list[str]) -> list[str]:
         sglang_argv += as_cli_flags(chosen)
         if chosen:
             _say(f"no GPU found: running on the CPU with {' '.join(as_cli_flags(chosen))}")
+        ranks = own.tp_size * own.dp_size * own.pp_size  # SGLang's world size: one process each
+        if ranks > 1 and THREADS_BIND_ENV not in os.environ:
+            try:
+                os.environ[THREADS_BIND_ENV] = cpu_thread_binding(ranks, sorted(os.sched_getaffinity(0)))
+            except ValueError as exc:
+                raise LaunchError(f"{ranks} ranks on the CPU: {exc}") from None
+            _say(f"{ranks} ranks on the CPU: {THREADS_BIND_ENV}={os.environ[THREADS_BIND_ENV]} (cores per rank)")
     return sglang_argv
 
 

@@ -15,6 +15,7 @@ import os
 from sglang_kvsparse.backends import backend_choices
 from sglang_kvsparse.config import PRESETS, SparsityConfig, SparsityConfigError, parse_config
 from sglang_kvsparse.model_support import check_supported, model_shape, read_config
+from sglang_kvsparse.parallelism import parallelism_problems
 from sglang_kvsparse.serving_defaults import LaunchError, ModelShape
 
 #: Environment variable carrying the effective sparsity configuration (JSON) to every process.
@@ -84,6 +85,13 @@ def check_model(config: SparsityConfig, model_path: str) -> None:
     model_config = read_config(model_path)
     check_supported(model_path, model_config)
     validate_for_model(config, model_shape(model_config))
+
+
+def check_parallelism(config: SparsityConfig, pp_size: int, dp_attention: bool) -> None:
+    """With sparsity on, refuse the parallel settings the sparse layers cannot serve (one line)."""
+    problems = parallelism_problems(pp_size, dp_attention) if config.enabled else []
+    if problems:
+        raise LaunchError("kvsparse: " + "; ".join(problems))
 
 
 def export_to_processes(config: SparsityConfig) -> None:

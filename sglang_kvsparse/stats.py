@@ -4,10 +4,17 @@ these (`SparseStats.to_dict()` is the wire format). No SGLang imports.
 Heap rows by owner: every row of the one KV heap is free, or held by exactly one of SGLang's
 full-pool ids (a running request's token, or a token the radix tree caches), a sparse group's
 request entries, the prefix store, or an eviction whose forward is still in flight.
+
+Past one device (`combine_tp_ranks`, `combine_replicas`): every scheduler process collects its
+own stats. The tensor-parallel ranks of one replica hold the same requests, entries and rows,
+each for its own KV heads, so their counts must agree (a difference means the ranks' decisions
+diverged, and is reported) and only their bytes add up; data-parallel replicas hold different
+requests, so everything countable adds up over them.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -138,4 +145,114 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
     )
 
 
-__all__ = ["GroupStats", "HeapStats", "LayerStats", "SparseStats", "collect"]
+#: Fields each tensor-parallel rank holds for its own KV heads: they add up over a replica's ranks.
+RANK_BYTES: tuple[str, ...] = ("kv_bytes_in_use", "kv_bytes_if_dense")
+
+_REQUEST_COUNTS = (
+    "prefix_hits",
+    "prefix_tokens_reused",
+    "chunks_stored",
+    "store_entries_adopted",
+    "requests_running",
+    "requests_running_peak",
+    "forward_plans",
+    "evictions",
+)
+_HEAP_COUNTS = ("rows_total", "free", "full_running", "full_cached", "sparse", "prefix_store", "evicting")
+
+#: Fields that add up over data-parallel replicas (each counts its own requests and rows), as
+#: paths into the wire format; a list in a path means every element of that list.
+REPLICA_COUNTS: tuple[tuple[str, ...], ...] = (
+    *((name,) for name in (*RANK_BYTES, *_REQUEST_COUNTS)),
+    *(("heap", name) for name in _HEAP_COUNTS),
+    ("heap", "groups", "rows"),
+    ("heap", "groups", "score_rows"),
+    ("layers", "slots_in_use"),
+    ("layers", "slots_total"),
+)
+
+#: Most differences between ranks a stats reply lists.
+MAX_DIFFERENCES = 20
+
+_LISTS = {"groups", "layers"}
+
+
+def _add(total: Any, part: Any, path: tuple[str, ...]) -> None:
+    """Add `part`'s value at `path` into `total` (same structure), through lists element-wise."""
+    head, rest = path[0], path[1:]
+    if not rest:
+        total[head] += part[head]
+    elif head in _LISTS:
+        for total_item, part_item in zip(total[head], part[head], strict=True):
+            _add(total_item, part_item, rest)
+    else:
+        _add(total[head], part[head], rest)
+
+
+def _differences(first: Any, other: Any, where: str = "") -> list[str]:
+    """Where two values of the wire format disagree, as 'path: a != b'."""
+    if isinstance(first, dict) and isinstance(other, dict):
+        found = []
+        for key in sorted(set(first) | set(other)):
+            found += _differences(first.get(key), other.get(key), f"{where}.{key}" if where else key)
+        return found
+    if isinstance(first, list) and isinstance(other, list) and len(first) == len(other):
+        return [d for i, (a, b) in enumerate(zip(first, other)) for d in _differences(a, b, f"{where}[{i}]")]
+    return [] if first == other else [f"{where}: {first!r} != {other!r}"]
+
+
+def _counts(stats: dict[str, Any]) -> dict[str, Any]:
+    """A rank's stats without the fields that are its own KV heads' share."""
+    return {key: value for key, value in stats.items() if key not in RANK_BYTES}
+
+
+def combine_tp_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One replica's stats from its tensor-parallel ranks' (rank order): rank 0's counts, the
+    bytes of every rank added up, and whether every rank's counts agree with rank 0's
+    (`in_step`; `differences` names the first `MAX_DIFFERENCES` fields that do not)."""
+    if not ranks:
+        raise ValueError("no rank stats to combine")
+    total = copy.deepcopy(ranks[0])
+    if not total.get("enabled", False):
+        return total
+    differences = []
+    for i, rank in enumerate(ranks[1:], 1):
+        differences += [f"tp rank {i}: {d}" for d in _differences(_counts(ranks[0]), _counts(rank))]
+    for rank in ranks[1:]:
+        for name in RANK_BYTES:
+            total[name] += rank[name]
+    total.update(tp_size=len(ranks), in_step=not differences, differences=differences[:MAX_DIFFERENCES], tp_ranks=ranks)
+    return total
+
+
+def combine_replicas(replicas: list[dict[str, Any]]) -> dict[str, Any]:
+    """The server's stats from its data-parallel replicas' (`combine_tp_ranks` outputs): every
+    count and byte added up, the configuration and layout of the first; each replica's own stats
+    under `replicas`."""
+    if not replicas:
+        raise ValueError("no replica stats to combine")
+    total = copy.deepcopy(replicas[0])
+    if not total.get("enabled", False):
+        return total
+    for replica in replicas[1:]:
+        for path in REPLICA_COUNTS:
+            _add(total, replica, path)
+    total.pop("tp_ranks", None)
+    total.update(
+        dp_size=len(replicas),
+        in_step=all(replica["in_step"] for replica in replicas),
+        differences=[f"dp rank {i}, {d}" for i, r in enumerate(replicas) for d in r["differences"]][:MAX_DIFFERENCES],
+        replicas=replicas,
+    )
+    return total
+
+
+__all__ = [
+    "GroupStats",
+    "HeapStats",
+    "LayerStats",
+    "SparseStats",
+    "collect",
+    "combine_replicas",
+    "combine_tp_ranks",
+]

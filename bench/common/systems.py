@@ -20,6 +20,7 @@ import psutil
 from common.models import default_model, prepare_dummy_model
 from kvsparse_testbed.server import ServerProcess, free_port
 from sglang_kvsparse.options import CONFIG_ENV
+from sglang_kvsparse.parallelism import THREADS_BIND_ENV, cpu_thread_binding
 from sglang_kvsparse.serving_defaults import gpu_available
 
 STOCK = "stock"
@@ -42,6 +43,7 @@ class ServerSettings:
     decode_log_interval: int
     startup_timeout_s: float
     shape: str = "full"  # a dummy model's shape: common.models.SHAPES
+    tp_size: int = 1  # both systems' --tp-size
 
     @property
     def on_gpu(self) -> bool:
@@ -75,6 +77,8 @@ def shared_server_args(settings: ServerSettings, model_dir: Path, load_args: lis
         args += ["--max-total-tokens", str(settings.max_total_tokens)]
     if settings.mem_fraction_static is not None:
         args += ["--mem-fraction-static", str(settings.mem_fraction_static)]
+    if settings.tp_size != 1:
+        args += ["--tp-size", str(settings.tp_size)]
     if not settings.on_gpu:
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
     return args
@@ -104,7 +108,9 @@ def server_for(
     env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
     module = LAUNCHERS["stock" if name == STOCK else "project"][0]
     if name == STOCK and not settings.on_gpu:
-        env["SGLANG_USE_CPU_ENGINE"] = "1"  # the project's launcher sets it itself
+        env["SGLANG_USE_CPU_ENGINE"] = "1"  # the project's launcher sets it itself, and the next
+        if settings.tp_size > 1:
+            env.setdefault(THREADS_BIND_ENV, cpu_thread_binding(settings.tp_size, sorted(os.sched_getaffinity(0))))
     extra = [] if name == STOCK else list(flags)
     command = [sys.executable, "-m", module, *shared, "--host", "127.0.0.1", "--port", str(port), *extra]
     return ServerProcess(

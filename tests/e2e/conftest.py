@@ -23,7 +23,7 @@ from sglang_kvsparse.models import ensure_default_model
 from sglang_kvsparse.options import CPU_SPARSE_MEM_FRACTION
 from sglang_kvsparse.serving_defaults import CPU_MAX_TOTAL_TOKENS, gpu_available
 
-from .servers import PYTHON, Server, server_env
+from .servers import PYTHON, RETRACTING_ENV, Server, server_env
 
 #: Chunked prefill as the issue asks it on the CPU: 512 tokens, decode steps mixed into prefills.
 CHUNK_ARGS = ["--chunked-prefill-size", "512", "--enable-mixed-chunk"]
@@ -54,7 +54,6 @@ EVICTING_ARGS = [
     "--enable-metrics",
     "--enable-cache-report",
 ]
-RETRACTING_ENV = {"SGLANG_INIT_NEW_TOKEN_RATIO": "0.05"}
 #: `patches/faults.py`: requests with these rid prefixes fail in the sparse admission / prefix match.
 FAULT_ADMISSION_RID, FAULT_MATCH_RID = "kvsparse-fault-admission-", "kvsparse-fault-match-"
 FAULT_INJECTION = {"SGLANG_KVSPARSE_FAULT": f"admission:{FAULT_ADMISSION_RID},match:{FAULT_MATCH_RID}"}

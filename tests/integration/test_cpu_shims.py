@@ -56,3 +56,39 @@ def test_stock_sglang_imports_its_cpu_path():
     env = {"PATH": "/usr/bin:/bin", "SGLANG_USE_CPU_ENGINE": "1"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+
+
+PARALLEL_PROBE = """
+import inspect
+from sglang.srt.distributed import parallel_state
+group = parallel_state.init_model_parallel_group
+print(getattr(group, "__kvsparse_cpu_no_pynccl__", False))
+print(list(inspect.signature(group).parameters)[:4])
+"""
+
+
+@pytest.mark.parametrize("engine, patched", [("1", "True"), (None, "False")])
+def test_parallel_groups_default_to_no_pynccl_only_on_the_cpu_engine(engine: str | None, patched: str):
+    """SGLang's model-parallel groups skip PyNccl on the CPU engine (`--tp-size 2` starts), and
+    the wrapper keeps the signature SGLang's callers rely on; elsewhere the module is untouched."""
+    env = {"PATH": "/usr/bin:/bin"}
+    if engine is not None:
+        env["SGLANG_USE_CPU_ENGINE"] = engine
+    result = subprocess.run([sys.executable, "-c", PARALLEL_PROBE], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().split("\n")
+    assert lines[-2] == patched
+    assert lines[-1] == "['group_ranks', 'local_rank', 'backend', 'use_pynccl']"
+
+
+def test_no_pynccl_default_keeps_explicit_choices():
+    from sglang_kvsparse.patches.cpu_parallel import default_no_pynccl
+
+    calls: list[dict] = []
+    module = type(sys)("fake_parallel_state")
+    module.init_model_parallel_group = lambda *args, **kwargs: calls.append(kwargs)
+    default_no_pynccl(module)
+    default_no_pynccl(module)  # idempotent: wrapped once
+    module.init_model_parallel_group([[0, 1]], 0, "gloo")
+    module.init_model_parallel_group([[0, 1]], 0, "gloo", use_pynccl=True)
+    assert calls == [{"use_pynccl": False}, {"use_pynccl": True}]

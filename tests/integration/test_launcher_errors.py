@@ -47,6 +47,8 @@ def test_port_in_use():
         (["--kvsparse-budget", "20"], "--kvsparse-budget: 20 is smaller than sink + window"),
         (["--kvsparse-config", '{"policy": "nope"}'], "unknown policy"),
         (["--kvsparse-preset", "off", "--kvsparse-budget", "512"], "has no effect while sparsity is off"),
+        (["--pp-size", "2"], "--pp-size 2: pipeline parallelism would split a column of sparse layers"),
+        (["--tp-size", "2", "--enable-dp-attention"], "--enable-dp-attention: attention ranks holding"),
     ],
 )
 def test_invalid_sparsity_option(args, expected):

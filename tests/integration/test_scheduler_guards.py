@@ -21,11 +21,15 @@ def _model(config: dict) -> SimpleNamespace:
 
 
 @pytest.fixture
-def memory(monkeypatch):
+def server_args() -> SimpleNamespace:
+    return SimpleNamespace(tp_size=1, dp_size=1, pp_size=1, speculative_algorithm=None, kv_cache_dtype="auto")
+
+
+@pytest.fixture
+def memory(monkeypatch, server_args):
     from sglang_kvsparse.patches import attention, memory
 
-    args = SimpleNamespace(tp_size=1, dp_size=1, pp_size=1, speculative_algorithm=None, kv_cache_dtype="auto")
-    monkeypatch.setattr(memory, "get_server_args", lambda: args)
+    monkeypatch.setattr(memory, "get_server_args", lambda: server_args)
     monkeypatch.setattr(attention, "installed", lambda: True)
     monkeypatch.setattr(memory, "unpatched", lambda: [])
     return memory
@@ -42,3 +46,11 @@ def test_a_model_the_sparse_layers_cannot_serve_is_refused_in_the_scheduler(memo
 
 def test_a_plain_model_passes_the_scheduler_guard(memory):
     memory.check_guards(_model(LLAMA))
+
+
+def test_tensor_and_data_parallelism_pass_pipeline_parallelism_is_refused(memory, server_args):
+    server_args.tp_size = server_args.dp_size = 2
+    memory.check_guards(_model(LLAMA))
+    server_args.pp_size = 2
+    with pytest.raises(memory.KVSparseStartupError, match="--pp-size 2: pipeline parallelism"):
+        memory.check_guards(_model(LLAMA))

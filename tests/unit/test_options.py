@@ -1,6 +1,7 @@
 """What the launcher and engine add or refuse for a sparse server (no SGLang, no model)."""
 
 import json
+import os
 
 import pytest
 
@@ -84,3 +85,36 @@ def test_the_gpu_launch_replaces_a_backend_that_cannot_serve_sparse_layers(gpu_l
         "[sglang-kvsparse] --attention-backend flashmla cannot run beside sparse layers "
         "(it is not an MHA/GQA backend): using triton"
     ]
+
+
+@pytest.fixture
+def cpu_launch(tmp_path, monkeypatch):
+    """The launcher as on a machine with four cores and no GPU (it only decides SGLang's argv and
+    the environment SGLang's processes inherit)."""
+    from sglang_kvsparse import launch_server, options, parallelism, serving_defaults
+
+    config = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    monkeypatch.setattr(launch_server, "gpu_available", lambda: False)
+    monkeypatch.setattr(launch_server.os, "sched_getaffinity", lambda pid: {3, 1, 0, 2})
+    for name in (options.CONFIG_ENV, parallelism.THREADS_BIND_ENV, serving_defaults.CPU_ENGINE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    yield lambda *args: launch_server.build_sglang_argv(["--model-path", str(tmp_path), "--port", "0", *args])
+    for name in (options.CONFIG_ENV, parallelism.THREADS_BIND_ENV, serving_defaults.CPU_ENGINE_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize(("args", "binding"), [(["--tp-size", "2"], "0,1|2,3"), (["--dp-size", "2"], "0,1|2,3")])
+def test_each_cpu_rank_gets_its_share_of_the_cores(cpu_launch, capsys, args, binding):
+    argv = cpu_launch(*args)
+    assert argv[argv.index(args[0]) + 1] == "2"  # SGLang still gets the option
+    assert os.environ["SGLANG_CPU_OMP_THREADS_BIND"] == binding
+    assert f"2 ranks on the CPU: SGLANG_CPU_OMP_THREADS_BIND={binding}" in capsys.readouterr().err
+
+
+def test_a_given_core_binding_and_a_single_rank_are_left_alone(cpu_launch, monkeypatch):
+    cpu_launch()
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|3")
+    cpu_launch("--tp-size", "2")
+    assert os.environ["SGLANG_CPU_OMP_THREADS_BIND"] == "0|3"
