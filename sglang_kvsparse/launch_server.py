@@ -28,7 +28,7 @@ from sglang_kvsparse.options import (
     sparse_sglang_defaults,
     sparsity_from_args,
 )
-from sglang_kvsparse.parallelism import THREADS_BIND_ENV, cpu_thread_binding
+from sglang_kvsparse.parallelism import THREADS_BIND_ENV, binding_for_this_process
 from sglang_kvsparse.serving_defaults import (
     LaunchError,
     as_cli_flags,
@@ -126,7 +126,7 @@ def build_sglang_argv(argv: list[str]) -> list[str]:
         ranks = own.tp_size * own.dp_size * own.pp_size  # SGLang's world size: one process each
         if ranks > 1 and THREADS_BIND_ENV not in os.environ:
             try:
-                os.environ[THREADS_BIND_ENV] = cpu_thread_binding(ranks, sorted(os.sched_getaffinity(0)))
+                os.environ[THREADS_BIND_ENV] = binding_for_this_process(ranks)
             except ValueError as exc:
                 raise LaunchError(f"{ranks} ranks on the CPU: {exc}") from None
             _say(f"{ranks} ranks on the CPU: {THREADS_BIND_ENV}={os.environ[THREADS_BIND_ENV]} (cores per rank)")

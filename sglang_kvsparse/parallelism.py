@@ -14,6 +14,8 @@ ranks hold different requests under one scheduler's view.
 
 from __future__ import annotations
 
+import os
+
 #: SGLang's variable giving each rank's CPU cores on the CPU engine ("0-3|4-7").
 THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 
@@ -42,3 +44,8 @@ def cpu_thread_binding(ranks: int, cores: list[int]) -> str:
     share = len(cores) // ranks
     groups = [sorted(cores)[i * share : (i + 1) * share] for i in range(ranks)]
     return "|".join(",".join(str(core) for core in group) for group in groups)
+
+
+def binding_for_this_process(ranks: int) -> str:
+    """`cpu_thread_binding` over the cores this process may use."""
+    return cpu_thread_binding(ranks, sorted(os.sched_getaffinity(0)))

@@ -218,7 +218,6 @@ def combine_tp_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     differences = []
     for i, rank in enumerate(ranks[1:], 1):
         differences += [f"tp rank {i}: {d}" for d in _differences(_counts(ranks[0]), _counts(rank))]
-    for rank in ranks[1:]:
         for name in RANK_BYTES:
             total[name] += rank[name]
     total.update(tp_size=len(ranks), in_step=not differences, differences=differences[:MAX_DIFFERENCES], tp_ranks=ranks)

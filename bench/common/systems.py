@@ -20,7 +20,7 @@ import psutil
 from common.models import default_model, prepare_dummy_model
 from kvsparse_testbed.server import ServerProcess, free_port
 from sglang_kvsparse.options import CONFIG_ENV
-from sglang_kvsparse.parallelism import THREADS_BIND_ENV, cpu_thread_binding
+from sglang_kvsparse.parallelism import THREADS_BIND_ENV, binding_for_this_process
 from sglang_kvsparse.serving_defaults import gpu_available
 
 STOCK = "stock"
@@ -108,9 +108,9 @@ def server_for(
     env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
     module = LAUNCHERS["stock" if name == STOCK else "project"][0]
     if name == STOCK and not settings.on_gpu:
-        env["SGLANG_USE_CPU_ENGINE"] = "1"  # the project's launcher sets it itself, and the next
+        env["SGLANG_USE_CPU_ENGINE"] = "1"  # the project's launcher sets both itself
         if settings.tp_size > 1:
-            env.setdefault(THREADS_BIND_ENV, cpu_thread_binding(settings.tp_size, sorted(os.sched_getaffinity(0))))
+            env.setdefault(THREADS_BIND_ENV, binding_for_this_process(settings.tp_size))
     extra = [] if name == STOCK else list(flags)
     command = [sys.executable, "-m", module, *shared, "--host", "127.0.0.1", "--port", str(port), *extra]
     return ServerProcess(
