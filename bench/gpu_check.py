@@ -97,12 +97,12 @@ class GraphDecode:
         self.out: torch.Tensor | None = None
         self.times: list[float] = []
 
-    def __call__(self, state: SparseState, plan, q, k, v) -> torch.Tensor:
+    def __call__(self, state: SparseState, plan, q, k, v, positions) -> torch.Tensor:
         start = time.perf_counter()
         self.buffers.fill(plan)
         if self.inputs is None:
-            self.inputs = [t.new_zeros(GRAPH_BS, *t.shape[1:]) for t in (q, k, v)]
-        for static, given in zip(self.inputs, (q, k, v)):
+            self.inputs = [t.new_zeros(GRAPH_BS, *t.shape[1:]) for t in (q, k, v, positions)]
+        for static, given in zip(self.inputs, (q, k, v, positions)):
             static.zero_()
             static[: given.shape[0]].copy_(given)
         if self.device != "cuda":
@@ -131,9 +131,9 @@ class GraphDecode:
 
 
 def timed_eager(times: list[float]) -> Callable:
-    def decode(state, plan, q, k, v):
+    def decode(state, plan, q, k, v, positions):
         start = time.perf_counter()
-        out = eager_decode(state, plan, q, k, v)
+        out = eager_decode(state, plan, q, k, v, positions)
         if q.is_cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)

@@ -7,7 +7,9 @@ never SGLang. See docs/kernels.md for contracts and layouts.
 
 from .compact import compact_kv, compact_kv_torch, compact_kv_triton
 from .decode_attention import (
+    SCORE_UPDATES,
     DecodeConfig,
+    ScoreUpdate,
     decode_attention_with_scores,
     decode_attention_with_scores_torch,
     decode_attention_with_scores_triton,
@@ -18,7 +20,7 @@ from .extend_attention import (
     extend_attention_with_stats_torch,
     extend_attention_with_stats_triton,
 )
-from .selection import pool_scores, select_kept
+from .selection import pool_scores, select_kept, spread_scores
 from .window_scores import (
     WindowScoreConfig,
     window_scores,
@@ -27,8 +29,10 @@ from .window_scores import (
 )
 
 __all__ = [
+    "SCORE_UPDATES",
     "DecodeConfig",
     "ExtendConfig",
+    "ScoreUpdate",
     "WindowScoreConfig",
     "compact_kv",
     "compact_kv_torch",
@@ -41,6 +45,7 @@ __all__ = [
     "extend_attention_with_stats_triton",
     "pool_scores",
     "select_kept",
+    "spread_scores",
     "window_scores",
     "window_scores_torch",
     "window_scores_triton",

@@ -1,4 +1,4 @@
-"""Paged decode attention that also accumulates each key's attention probability into a score.
+"""Paged decode attention that also updates each key's score with its attention probability.
 
 One query token per request attends to all of its request's keys, read through its row of
 ``kv_indices`` (a layer's own index map, so sparse layers can keep different slots). The rows are
@@ -8,8 +8,9 @@ fixed shape for a captured CUDA graph, and nothing about it needs the host. Spli
 (request, KV head, split) program a contiguous chunk of keys, handles all G query heads of the KV
 head in one tile, and writes a partial output, its LSE and the raw logits to scratch. Stage 2, per
 (request, KV head, split), merges the partial LSEs into the final LSE, turns its chunk's logits into
-probabilities, sums them over the G heads and adds them to ``score_buf[slot, kv_head]``; the split-0
-program also merges the partial outputs. Saving logits (4*G bytes per key) is cheaper than reading
+probabilities, sums them over the G heads and adds them to ``score_buf[slot, kv_head]`` (or
+overwrites it, or leaves it: the scoring policy's ``score_update``); the split-0 program also
+merges the partial outputs. Saving logits (4*G bytes per key) is cheaper than reading
 K again (2*D bytes per key) to recompute them once the final LSE is known. Every slot belongs to one
 request and one split, so the score updates are plain read-add-write without atomics.
 """
@@ -17,6 +18,7 @@ request and one split, so the score updates are plain read-add-write without ato
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import triton
@@ -31,6 +33,12 @@ from .common import (
     upcast_dots,
     use_triton,
 )
+
+#: What a decode step does with each key's attention probability p (summed over its G query heads):
+#: "add" accumulates it into the key's score (H2O, SnapKV), "replace" makes it the score (TOVA:
+#: the latest query's attention), "none" leaves the score as written (position or key norm).
+ScoreUpdate = Literal["add", "replace", "none"]
+SCORE_UPDATES: tuple[ScoreUpdate, ...] = ("add", "replace", "none")
 
 
 @dataclass(frozen=True)
@@ -184,6 +192,7 @@ def _decode_finalize_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    UPDATE: tl.constexpr,  # index into SCORE_UPDATES
 ):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -224,6 +233,8 @@ def _decode_finalize_kernel(
             )
             acc += tl.exp2(s_lse - lse)[:, None] * s_o
         tl.store(o_ptr, acc.to(Out.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+    if UPDATE == 2:  # "none"
+        return
 
     chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
@@ -240,7 +251,9 @@ def _decode_finalize_kernel(
         prob = tl.sum(tl.exp2(logits - lse[:, None]), 0)
         slot = tl.load(score_indices + req * stride_sib + n * stride_sin, mask=n_ok, other=0).to(tl.int64)
         ptr = SCORES + slot * stride_st + kv_head * stride_sh
-        tl.store(ptr, tl.load(ptr, mask=n_ok, other=0.0) + prob, mask=n_ok)
+        if UPDATE == 0:  # "add"
+            prob += tl.load(ptr, mask=n_ok, other=0.0)
+        tl.store(ptr, prob, mask=n_ok)
 
 
 def decode_attention_with_scores_triton(
@@ -253,6 +266,7 @@ def decode_attention_with_scores_triton(
     sm_scale: float,
     *,
     score_indices: torch.Tensor | None = None,
+    score_update: ScoreUpdate = "add",
     num_kv_splits: int = 8,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
@@ -260,6 +274,7 @@ def decode_attention_with_scores_triton(
     """Triton implementation; see :func:`decode_attention_with_scores` for the contract."""
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+    update = _update_index(score_update)
     group = check_group(q.shape[1], k_buf.shape[1])
     score_indices = _check_table(q, kv_lens, kv_indices, score_indices)
     cfg = config or default_decode_config()
@@ -338,6 +353,7 @@ def decode_attention_with_scores_triton(
         BLOCK_H=block_h,
         BLOCK_S=triton.next_power_of_2(num_kv_splits),
         BLOCK_N=cfg.block_n,
+        UPDATE=update,
         num_warps=cfg.num_warps,
     )
     return o
@@ -353,6 +369,7 @@ def decode_attention_with_scores_torch(
     sm_scale: float,
     *,
     score_indices: torch.Tensor | None = None,
+    score_update: ScoreUpdate = "add",
     num_kv_splits: int = 8,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
@@ -365,6 +382,7 @@ def decode_attention_with_scores_torch(
     parity (splitting does not change the result beyond rounding).
     """
     del num_kv_splits, config
+    _update_index(score_update)  # validates
     group = check_group(q.shape[1], k_buf.shape[1])
     score_indices = _check_table(q, kv_lens, kv_indices, score_indices)
     o = torch.empty_like(q) if out is None else out
@@ -392,10 +410,15 @@ def decode_attention_with_scores_torch(
         out.copy_(torch.matmul(probs, v.transpose(1, 2)))
     else:
         out.copy_(torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in range(heads)], 1))
+    if score_update == "none":
+        return o
     mass = probs.sum(dim=2).transpose(1, 2).reshape(batch * width, heads)  # [B * W, H_kv]
     # Padding adds its zeros to slot 0, not to the slot it names (another request's, whose bytes
     # an added zero could still change, e.g. a flushed denormal): as the kernel, which skips it.
+    pad = padding[:, 0, 0, :].reshape(-1, 1)
     slots = score_indices.masked_fill(padding[:, 0, 0, :], 0).reshape(-1)
+    if score_update == "replace":  # added as a difference: no boolean mask, so no wait on the device
+        mass = torch.where(pad, 0.0, mass - score_buf.index_select(0, slots).to(mass.dtype))
     score_buf.index_add_(0, slots, mass.to(score_buf.dtype))
     return o
 
@@ -410,12 +433,13 @@ def decode_attention_with_scores(
     sm_scale: float,
     *,
     score_indices: torch.Tensor | None = None,
+    score_update: ScoreUpdate = "add",
     num_kv_splits: int = 8,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
-    """One decode step of attention that also adds each key's probability into ``score_buf``.
+    """One decode step of attention that also updates each key's score with its probability.
 
     Args:
         q: [B, H_q, D], one query token per request; H_q = G * H_kv.
@@ -431,6 +455,8 @@ def decode_attention_with_scores(
             default: kv_indices itself); padding's slots are never written (the torch reference
             adds its zeros to slot 0). Each score slot must appear at most once among the
             batch's keys, except slots whose scores are never read (their sums are then undefined).
+        score_update: "add" as above; "replace" writes the sum instead of adding it; "none"
+            leaves `score_buf` untouched.
         sm_scale: logit scale; num_kv_splits: key chunks per request (split-K parallelism).
         out: optional [B, H_q, D] output; config: Triton tiles; backend: as usual.
 
@@ -451,10 +477,18 @@ def decode_attention_with_scores(
         score_buf,
         sm_scale,
         score_indices=score_indices,
+        score_update=score_update,
         num_kv_splits=num_kv_splits,
         out=out,
         config=config,
     )
+
+
+def _update_index(score_update: str) -> int:
+    """The kernel's constexpr for an update; ValueError for an unknown one."""
+    if score_update not in SCORE_UPDATES:
+        raise ValueError(f"score_update must be one of {', '.join(SCORE_UPDATES)}; got {score_update!r}")
+    return SCORE_UPDATES.index(score_update)
 
 
 def _check_table(

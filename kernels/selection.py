@@ -30,18 +30,32 @@ def pool_scores(
         raise ValueError(f"kernel_size must be a positive odd number, got {kernel_size}")
     if kind not in ("max", "avg"):
         raise ValueError(f"kind must be 'max' or 'avg', got {kind!r}")
+    radius = kernel_size // 2
+    return _pool(scores, kv_indptr, [shift for shift in range(-radius, radius + 1) if shift], kind)
+
+
+def spread_scores(scores: torch.Tensor, kv_indptr: torch.Tensor, follow: int) -> torch.Tensor:
+    """Each key's score raised to the best of the ``follow`` keys before it in its request.
+
+    A key the selection keeps then brings the ``follow`` keys after it along: the rest of a
+    many-token span (a number, a name) whose first token drew the attention. Returns a new tensor.
+    """
+    if follow < 0:
+        raise ValueError(f"follow must be >= 0, got {follow}")
+    return _pool(scores, kv_indptr, list(range(-follow, 0)), "max")
+
+
+def _pool(scores: torch.Tensor, kv_indptr: torch.Tensor, shifts: list[int], kind: str) -> torch.Tensor:
+    """Max or mean of each key's score and its neighbours at ``shifts`` within its request."""
     total = scores.shape[0]
-    if kernel_size == 1 or total == 0:
+    if not shifts or total == 0:
         return scores.clone()
     seg = segment_ids(kv_indptr, total)
-    radius = kernel_size // 2
     index = torch.arange(total, device=scores.device)
     fill = float("-inf") if kind == "max" else 0.0
     pooled = scores.clone()
     count = torch.ones(total, 1, dtype=scores.dtype, device=scores.device)
-    for shift in range(-radius, radius + 1):
-        if shift == 0:
-            continue
+    for shift in shifts:
         src = (index + shift).clamp(0, total - 1)
         same = ((index + shift) == src) & (seg[src] == seg)
         neighbour = torch.where(same[:, None], scores[src], fill)

@@ -95,7 +95,7 @@ class KVSparseBackend(AttentionBackend):
     def _plan_decode(self, rows: list[int], device: Any) -> ForwardPlan:
         """The decode plan of these rows, its evictions already run in every sparse layer."""
         plan = plan_decode(self.state, rows, device)
-        evict_planned(plan, self.state.layout.sparse_slots.values(), self.state.lanes)
+        evict_planned(plan, self.state.layout.sparse_slots.values(), self.state.lanes, self.state.policy)
         return plan
 
     def _plan_extend(self, forward_batch: Any, rows: list[int], device: Any) -> ForwardPlan:
@@ -114,7 +114,7 @@ class KVSparseBackend(AttentionBackend):
         slot = self.state.layout.sparse_slots[layer.layer_id]
         lane, policy = self.state.lanes[slot.lane], self.state.policy
         if isinstance(self._plan, MixedPlan):
-            o = sparse_mixed(q3, k, v, layer.scaling, self._plan, slot, lane, policy)
+            o = sparse_mixed(q3, k, v, layer.scaling, self._plan, slot, lane, policy, forward_batch.positions)
         else:
             o = sparse_extend(q3, k, v, layer.scaling, self._plan, self._plan.column(slot), lane, policy)
         self._after_sparse_layer(layer.layer_id)
@@ -125,7 +125,10 @@ class KVSparseBackend(AttentionBackend):
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         slot = self.state.layout.sparse_slots[layer.layer_id]
-        o = sparse_decode(q3, k, v, layer.scaling, self._plan, self._plan.column(slot), self.state.lanes[slot.lane])
+        lane, policy = self.state.lanes[slot.lane], self.state.policy
+        o = sparse_decode(
+            q3, k, v, layer.scaling, self._plan, self._plan.column(slot), lane, policy, forward_batch.positions
+        )
         self._after_sparse_layer(layer.layer_id)
         return o.reshape(q3.shape[0], -1)
 

@@ -105,17 +105,21 @@ def sparse_decode(
     plan: ForwardPlan,
     column: ColumnPlan,
     buffers: LaneBuffers,
+    policy: ScoringPolicy,
+    positions: torch.Tensor,
 ) -> torch.Tensor:
     """One decode step: store the new token, attend over the kept slots (`evict_planned` has
     run this step's evictions).
 
-    `q` is [B, H_q, D], `k`/`v` [B, H_kv, D]. The kernel also accumulates each kept key's
-    attention mass into the layer's scores (H2O-style), which the next eviction reads. Every
-    shape here is fixed by the plan (no value is read back), so the step queues its work without
-    waiting on the device and can be captured in a CUDA graph.
+    `q` is [B, H_q, D], `k`/`v` [B, H_kv, D], `positions` [B] the new tokens' places in their
+    sequences. The new key's score is the policy's (`new_key_scores`), and the kernel updates
+    every kept key's score with its attention as the policy says (`score_update`: H2O-style
+    accumulation by default), which the next eviction reads. Every shape here is fixed by the
+    plan (no value is read back), so the step queues its work without waiting on the device and
+    can be captured in a CUDA graph.
     """
     _store(buffers, column.new_slots, k, v)
-    buffers.scores[column.new_score_slots] = 0.0
+    buffers.scores[column.new_score_slots] = policy.new_key_scores(k, positions)
     return kernels.decode_attention_with_scores(
         q,
         buffers.k,
@@ -125,10 +129,13 @@ def sparse_decode(
         buffers.scores,
         sm_scale,
         score_indices=column.score_indices,
+        score_update=policy.score_update,
     )
 
 
-def evict_planned(plan: ForwardPlan, slots: Iterable[SparseSlot], lanes: Sequence[LaneBuffers]) -> None:
+def evict_planned(
+    plan: ForwardPlan, slots: Iterable[SparseSlot], lanes: Sequence[LaneBuffers], policy: ScoringPolicy
+) -> None:
     """Run a decode plan's evictions in every sparse layer (`slots`: the layers' places), before
     any layer of the step runs: each layer's eviction reads only its own lane's old entries and
     the scores earlier steps accumulated, so doing them all first is what doing each one at its
@@ -137,20 +144,34 @@ def evict_planned(plan: ForwardPlan, slots: Iterable[SparseSlot], lanes: Sequenc
     for slot in slots:
         column = plan.column(slot)
         if column.evict_slots is not None:
-            evict(lanes[slot.lane], column.evict_slots, column.evict_score_slots, column.budget, plan.sink, plan.window)
+            evict(
+                lanes[slot.lane],
+                column.evict_slots,
+                column.evict_score_slots,
+                column.budget,
+                plan.sink,
+                plan.window,
+                policy,
+            )
 
 
 def evict(
-    buffers: LaneBuffers, old_slots: torch.Tensor, old_score_slots: torch.Tensor, budget: int, sink: int, window: int
+    buffers: LaneBuffers,
+    old_slots: torch.Tensor,
+    old_score_slots: torch.Tensor,
+    budget: int,
+    sink: int,
+    window: int,
+    policy: ScoringPolicy,
 ) -> None:
-    """Keep, per row and KV head, the first `sink`, the last `window` and the best-scored rest
+    """Keep, per row and KV head, the first `sink`, the last `window` and the best-ranked rest
     of the row's old entries (`old_slots` [N, n_old], position order; their scores at
-    `old_score_slots`), up to `budget`, moved in position order into the row's first `budget`
-    entries (K, V and scores, in place)."""
+    `old_score_slots`, ranked by the policy's `eviction_scores`), up to `budget`, moved in
+    position order into the row's first `budget` entries (K, V and stored scores, in place)."""
     rows, n_old = old_slots.shape
     old, old_scores = old_slots.long(), old_score_slots.long()
     indptr = torch.arange(rows + 1, device=old.device, dtype=torch.int64) * n_old
-    scores = buffers.scores[old_scores.reshape(-1)]
+    scores = policy.eviction_scores(buffers.scores[old_scores.reshape(-1)], indptr)
     kept, _ = kernels.select_kept(scores, indptr, budget, sink, window, max_len=n_old)  # [N, H_kv, budget]
     heads = kept.shape[1]
 
@@ -177,13 +198,14 @@ def sparse_mixed(
     slot: SparseSlot,
     buffers: LaneBuffers,
     policy: ScoringPolicy,
+    positions: torch.Tensor,
 ) -> torch.Tensor:
     """A mixed forward: `sparse_extend` for the prefill's tokens, then `sparse_decode` for the
-    decoding rows' (one each); [T, H_q, D] in the batch's order."""
+    decoding rows' (one each); [T, H_q, D] in the batch's order, as `positions` [T]."""
     n = plan.extend_tokens
-    prefill = plan.extend
+    prefill, decode = plan.extend, plan.decode
     o_extend = sparse_extend(q[:n], k[:n], v[:n], sm_scale, prefill, prefill.column(slot), buffers, policy)
-    o_decode = sparse_decode(q[n:], k[n:], v[n:], sm_scale, plan.decode, plan.decode.column(slot), buffers)
+    o_decode = sparse_decode(q[n:], k[n:], v[n:], sm_scale, decode, decode.column(slot), buffers, policy, positions[n:])
     return torch.cat([o_extend, o_decode.view(-1, *o_extend.shape[1:])])
 
 

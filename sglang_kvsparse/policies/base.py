@@ -1,9 +1,13 @@
 """The contract every scoring policy meets: one importance score per key and KV head.
 
 A policy only scores; which keys survive is decided by the shared selection (protected sink and
-observation window, then the best scores up to the budget: `sglang_kvsparse.kernels.select_kept`),
-and decode-time refresh adds attention probabilities to whatever the policy wrote. Keeping
-policies this small lets them be swapped by name and tested against each other on the same inputs.
+observation window, then the best scores up to the budget: `sglang_kvsparse.kernels.select_kept`).
+It scores in its own units and keeps them while decoding: at prefill `score`; for each decoded
+token `new_key_scores`; on every decode step the attention kernel updates the kept keys' scores
+as `score_update` says (add this step's attention, replace by it, or leave them); before a decode
+eviction ranks a row, `eviction_scores`. So a prompt's keys and the decoded ones compete in the
+same units. Keeping policies this small lets them be swapped by name and tested against each
+other on the same inputs.
 
 A policy is a frozen dataclass whose fields are its own knobs (SnapKV's pooling, for instance),
 set in the configuration as `{"policy": {"name": ..., knob: value}}` and validated by the policy.
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+
+from sglang_kvsparse.kernels import ScoreUpdate, window_scores
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,13 @@ class PrefillScoringInputs:
     sm_scale: float
     window: int  # observation window alpha
 
+    def attention_from_last(self, queries: int) -> torch.Tensor:
+        """[total_kv, H_kv] float32: each key's attention from its request's last `queries` new
+        queries (all of them when fewer), summed over them and over its KV head's query heads."""
+        return window_scores(
+            self.q, self.k_buf, self.lse, self.qo_indptr, self.kv_indptr, self.kv_indices, queries, self.sm_scale
+        )
+
 
 class ScoringPolicy(ABC):
     """Scores keys at prefill; higher means more worth keeping."""
@@ -44,9 +57,24 @@ class ScoringPolicy(ABC):
     #: Name used in the configuration (`policy`), unique across policies.
     name: ClassVar[str]
 
+    #: What each decode step does with a kept key's attention probability (summed over the
+    #: query heads of its KV head): "add" it to the score, "replace" the score by it, or "none".
+    score_update: ClassVar[ScoreUpdate] = "add"
+
     @abstractmethod
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
         """[total_kv, H_kv] float32 scores aligned with ``inputs.kv_indices``."""
+
+    def new_key_scores(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The score a decoded token's key starts with, before its step's attention updates it:
+        [B, H_kv] float32 for keys `k` [B, H_kv, D] at sequence `positions` [B]. Default zero
+        (its own attention then gives it its first score)."""
+        return torch.zeros(k.shape[:2], dtype=torch.float32, device=k.device)
+
+    def eviction_scores(self, scores: torch.Tensor, row_indptr: torch.Tensor) -> torch.Tensor:
+        """What a decode eviction ranks, from the rows' stored scores [total, H_kv] (each row's
+        entries in position order, rows bounded by `row_indptr`). Default: the scores as stored."""
+        return scores
 
     def options(self) -> dict[str, Any]:
         """The policy's knobs and their values (its dataclass fields)."""

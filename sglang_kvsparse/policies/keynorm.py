@@ -9,12 +9,24 @@ import torch
 from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
 
 
+def minus_key_norm(keys: torch.Tensor) -> torch.Tensor:
+    """-||k|| per key and KV head, in float32: [..., H_kv, D] -> [..., H_kv]."""
+    return -torch.linalg.vector_norm(keys.float(), dim=-1)
+
+
 @dataclass(frozen=True)
 class KeyNormPolicy(ScoringPolicy):
-    """Score = minus the key's L2 norm per KV head; needs no queries at all."""
+    """Score = minus the key's L2 norm per KV head; needs no queries at all.
+
+    A decoded key is scored the same way and attention never changes a score, so a row always
+    keeps its smallest keys (beside the protected sink and window), prompt and decoded alike.
+    """
 
     name = "keynorm"
+    score_update = "none"
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
-        keys = inputs.k_buf[inputs.kv_indices.long()].float()  # [total_kv, H_kv, D]
-        return -torch.linalg.vector_norm(keys, dim=-1)
+        return minus_key_norm(inputs.k_buf[inputs.kv_indices.long()])
+
+    def new_key_scores(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return minus_key_norm(k)

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from sglang_kvsparse.kernels import pool_scores, window_scores
+from sglang_kvsparse.kernels import pool_scores
 from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
 
 #: Pooling applied to per-key scores before top-k selection.
@@ -21,7 +21,8 @@ class SnapKVPolicy(ScoringPolicy):
 
     Pooling matters on retrieval: the question's attention lands on the first token of an answer
     span, and pooling keeps its neighbours, which the model needs to copy the rest of the span
-    (docs/config.md says why 15).
+    (docs/config.md says why 15). While decoding, each step's attention is added to the kept
+    keys' scores (H2O-style), in the same units as the window's.
     """
 
     pool_kind: Literal["max", "avg"] = "max"
@@ -38,14 +39,5 @@ class SnapKVPolicy(ScoringPolicy):
             raise ValueError(f"pool_kernel: must be odd, got {kernel}")
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
-        raw = window_scores(
-            inputs.q,
-            inputs.k_buf,
-            inputs.lse,
-            inputs.qo_indptr,
-            inputs.kv_indptr,
-            inputs.kv_indices,
-            inputs.window,
-            inputs.sm_scale,
-        )
+        raw = inputs.attention_from_last(inputs.window)
         return pool_scores(raw, inputs.kv_indptr, self.pool_kernel, self.pool_kind)

@@ -12,15 +12,21 @@ from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
 
 @dataclass(frozen=True)
 class StreamingLLMPolicy(ScoringPolicy):
-    """Score = position: the selection then keeps the sinks and the latest tokens.
+    """Score = position in the sequence: the selection then keeps the sinks and the latest tokens.
 
-    The baseline every attention-based policy must beat; it needs no attention statistics.
+    A decoded key is scored by its position too and attention never changes a score, so every
+    eviction drops the oldest unprotected entries. The baseline every attention-based policy must
+    beat; it needs no attention statistics.
     """
 
     name = "streamingllm"
+    score_update = "none"
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
         total = inputs.kv_indices.numel()
         heads = inputs.k_buf.shape[1]
         position = positions_in_segment(inputs.kv_indptr, total).to(torch.float32)
         return position[:, None].expand(total, heads).contiguous()
+
+    def new_key_scores(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return positions.to(torch.float32)[:, None].expand(k.shape[:2]).contiguous()

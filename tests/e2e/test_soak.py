@@ -19,7 +19,7 @@ SOAK = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
 
 
 def test_a_small_soak_loses_nothing_and_leaves_the_server_at_rest(evicting_server, stock_server, tmp_path):
-    argv = ["--requests", "24", "--concurrency", "8", "--max-prompt-tokens", "1600", "--seed", "6"]
+    argv = ["--requests", "16", "--concurrency", "8", "--max-prompt-tokens", "1600", "--seed", "3"]
     argv += ["--url", evicting_server.url, "--stock-url", stock_server.url, "--out-dir", str(tmp_path)]
     run = subprocess.run([sys.executable, str(SOAK), *argv], capture_output=True, text=True, timeout=1200)
     reports = list(tmp_path.glob("soak-*.json"))

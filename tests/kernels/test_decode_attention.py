@@ -123,6 +123,41 @@ def test_decode_scores_go_to_their_own_slots(device):
         assert torch.count_nonzero(moved[untouched]) == 0
 
 
+@pytest.mark.parametrize("score_update", ["replace", "none"])
+def test_decode_score_updates_other_than_add(score_update, device):
+    """ "replace" leaves each key's score at this step's probability mass (what "add" adds to a
+    zeroed buffer), "none" leaves the buffer as it was; slots outside the batch stay untouched
+    either way, and the output is the same as with "add"."""
+    batch = make_ragged_batch([0] * len(KV_LENS), KV_LENS, 2, 3, 64, torch.float32, device, seed=11)
+    q = decode_queries(batch)
+    lens, table = kv_lens_of(batch), as_table(batch)
+    init = torch.rand(batch.k_buf.shape[:2], generator=torch.Generator().manual_seed(3)).to(device)
+    mass = torch.zeros_like(init)
+    o_add = decode_attention_with_scores(
+        q, batch.k_buf, batch.v_buf, lens, table, mass, batch.sm_scale, backend="torch"
+    )
+    expected = init.clone()
+    if score_update == "replace":
+        keys = batch.kv_indices.long()
+        expected[keys] = mass[keys]
+    for backend in ("triton", "torch"):
+        score_buf = init.clone()
+        o = decode_attention_with_scores(
+            q,
+            batch.k_buf,
+            batch.v_buf,
+            lens,
+            table,
+            score_buf,
+            batch.sm_scale,
+            score_update=score_update,
+            num_kv_splits=3,
+            backend=backend,
+        )
+        assert rel_error(score_buf, expected) <= SCORE_REL[torch.float32], backend
+        assert rel_error(o, o_add) <= OUT_REL[torch.float32], backend
+
+
 def test_decode_rejects_mismatched_shapes():
     batch = make_ragged_batch([0, 0], [3, 5], 1, 2, 16, torch.float32, "cpu")
     q = decode_queries(batch)
@@ -133,3 +168,5 @@ def test_decode_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="score_indices"):
         table = as_table(batch)
         decode_attention_with_scores(*args, kv_lens_of(batch), table, score_buf, 0.1, score_indices=table[:, :2])
+    with pytest.raises(ValueError, match="score_update must be one of add, replace, none; got 'max'"):
+        decode_attention_with_scores(*args, kv_lens_of(batch), as_table(batch), score_buf, 0.1, score_update="max")

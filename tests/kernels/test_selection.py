@@ -1,9 +1,9 @@
-"""Score pooling and kept-set selection against naive per-request loops."""
+"""Score pooling, forward spreading and kept-set selection against naive per-request loops."""
 
 import pytest
 import torch
 
-from sglang_kvsparse.kernels import pool_scores, select_kept
+from sglang_kvsparse.kernels import pool_scores, select_kept, spread_scores
 from sglang_kvsparse.kernels.testing import indptr_from_lens
 
 LENS = [1, 7, 30, 4, 19]
@@ -57,6 +57,21 @@ def test_pool_does_not_bleed_across_requests():
 def test_pool_rejects_bad_arguments(kernel_size, kind):
     with pytest.raises(ValueError):
         pool_scores(torch.zeros(5, 1), indptr_from_lens([5], "cpu"), kernel_size, kind)
+
+
+@pytest.mark.parametrize("follow", [0, 1, 5, 40])
+def test_spread_matches_naive_and_stays_in_its_request(follow):
+    """Each key gets the max of itself and the `follow` keys before it in its own request."""
+    scores = torch.rand(sum(LENS), 3, generator=torch.Generator().manual_seed(follow))
+    spread = spread_scores(scores, indptr_from_lens(LENS, "cpu"), follow)
+    expected, start = [], 0
+    for n in LENS:
+        seg = scores[start : start + n]
+        expected += [seg[max(0, i - follow) : i + 1].max(0).values for i in range(n)]
+        start += n
+    assert torch.equal(spread, torch.stack(expected))
+    with pytest.raises(ValueError, match="follow must be >= 0"):
+        spread_scores(scores, indptr_from_lens(LENS, "cpu"), -1)
 
 
 @pytest.mark.parametrize("budget, sink, window", [(10, 2, 3), (5, 0, 0), (6, 6, 0), (30, 1, 1)])

@@ -17,7 +17,7 @@ import torch
 
 from sglang_kvsparse.config import SparsityConfig
 from sglang_kvsparse.planning import ForwardPlan, plan_decode, plan_extend
-from sglang_kvsparse.policies import SnapKVPolicy
+from sglang_kvsparse.policies import ScoringPolicy, SnapKVPolicy
 from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
 from sglang_kvsparse.sparse_state import LaneBuffers, SparseState
 
@@ -88,15 +88,17 @@ def make_state(
     prefix_cache=False,
     pool_kernel=1,
     device="cpu",
+    policy: ScoringPolicy | None = None,
 ) -> tuple[SparseState, FreeList]:
     """A state of `num_layers` layers (`full_layers` full, one lane per full layer) on a heap of
-    `rows` rows, its lanes on `device`. pool_kernel 1: no pooling, so no score ties."""
+    `rows` rows, its lanes on `device`. The policy: SnapKV of `pool_kernel` unless given
+    (pool_kernel 1: no pooling, so no score ties)."""
     config = SparsityConfig(
         full_layers=full_layers,
         budget=budget or context,
         sink=1,
         window=window,
-        policy=SnapKVPolicy(pool_kernel=pool_kernel),
+        policy=policy or SnapKVPolicy(pool_kernel=pool_kernel),
         evict_page=evict_page,
     )
     resolved = config.resolve(num_layers, context)
@@ -128,17 +130,19 @@ def assert_device_tables_mirror_the_host(state):
             assert torch.equal(group.device_scores[row].long(), group.score_table[row]), row
 
 
-#: A decode step's sparse layers: (state, plan, q [B, H_q, D], k, v) -> outputs [layers, B, H_q, D].
-DecodeStep = Callable[[SparseState, ForwardPlan, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: A decode step's sparse layers: (state, plan, q [B, H_q, D], k, v, positions [B]) -> outputs
+#: [layers, B, H_q, D].
+DecodeStep = Callable[[SparseState, ForwardPlan, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 GROUP = 2  # query heads per KV head in `decode_lifecycle`
 
 
-def eager_decode(state: SparseState, plan: ForwardPlan, q, k, v) -> torch.Tensor:
+def eager_decode(state: SparseState, plan: ForwardPlan, q, k, v, positions) -> torch.Tensor:
     """Every sparse layer's decode forward on the plan, as the server runs it."""
     outputs = []
     for slot in state.layout.sparse_slots.values():
-        outputs.append(sparse_decode(q, k, v, 0.3, plan, plan.column(slot), state.lanes[slot.lane]))
+        lane = state.lanes[slot.lane]
+        outputs.append(sparse_decode(q, k, v, 0.3, plan, plan.column(slot), lane, state.policy, positions))
     return torch.stack(outputs)
 
 
@@ -184,9 +188,10 @@ def decode_lifecycle(
         plan = plan_decode(state, rows, device)
         evicting += any(column.evict_slots is not None for group in plan.columns for column in group)
         q, k, v = inputs(len(rows))
+        positions = torch.tensor([lengths[row] for row in rows], device=device)
         with guard():
-            evict_planned(plan, state.layout.sparse_slots.values(), state.lanes)
-            out = decode(state, plan, q, k, v)
+            evict_planned(plan, state.layout.sparse_slots.values(), state.lanes, state.policy)
+            out = decode(state, plan, q, k, v, positions)
         outputs.append(out.cpu())
         state.finish_forward()
         for row in rows:

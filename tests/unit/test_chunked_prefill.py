@@ -175,14 +175,25 @@ def test_a_mixed_step_prefills_and_decodes_as_the_two_steps_apart():
         (q2, k2, v2), (qd, kd, vd) = seqs[1], seqs[2]
         if mixed:
             plan = MixedPlan(prefill, decode, 9)
+            positions = torch.cat([torch.arange(9), torch.tensor([10])])
             out = sparse_mixed(
-                torch.cat([q2, qd]), torch.cat([k2, kd]), torch.cat([v2, vd]), 0.3, plan, slot, lane, state.policy
+                torch.cat([q2, qd]),
+                torch.cat([k2, kd]),
+                torch.cat([v2, vd]),
+                0.3,
+                plan,
+                slot,
+                lane,
+                state.policy,
+                positions,
             )
         else:
             from sglang_kvsparse.sparse_attention import sparse_decode
 
             o1 = sparse_extend(q2, k2, v2, 0.3, prefill, prefill.column(slot), lane, state.policy)
-            o2 = sparse_decode(qd.view(1, -1, D), kd, vd, 0.3, decode, decode.column(slot), lane)
+            o2 = sparse_decode(
+                qd.view(1, -1, D), kd, vd, 0.3, decode, decode.column(slot), lane, state.policy, torch.tensor([10])
+            )
             out = torch.cat([o1, o2.view(1, *o1.shape[1:])])
         state.finish_forward()
         results.append((out, kept(state, 1), kept(state, 2)))

@@ -26,11 +26,12 @@ def replay_through(buffers: DecodeBuffers):
     """A decode step as a replayed graph runs it: the plan captured once, the buffers filled."""
     captured = buffers.plan(GRAPH_BS)
 
-    def decode(state, plan, q, k, v):
+    def decode(state, plan, q, k, v, positions):
         buffers.fill(plan)
         pad = [torch.randn(GRAPH_BS - q.shape[0], *t.shape[1:]) for t in (q, k, v)]
         q, k, v = (torch.cat([t, p]) for t, p in zip((q, k, v), pad))
-        outputs = eager_decode(state, captured, q, k, v)[:, : plan.qo_indptr.numel() - 1]
+        positions = torch.cat([positions, positions.new_zeros(GRAPH_BS - positions.shape[0])])
+        outputs = eager_decode(state, captured, q, k, v, positions)[:, : plan.qo_indptr.numel() - 1]
         assert_device_tables_mirror_the_host(state)
         return outputs
 

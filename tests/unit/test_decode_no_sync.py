@@ -9,6 +9,8 @@ single device-to-host synchronisation.
 import pytest
 import torch
 
+from sglang_kvsparse.policies import POLICIES
+
 from .heap import decode_lifecycle, make_state
 from .host_sync import HostSync, no_host_sync
 
@@ -31,7 +33,11 @@ def test_the_guard_catches_what_would_wait_on_the_device():
         torch.repeat_interleave(torch.tensor([1, 2]), torch.tensor([2, 1]), output_size=3)
 
 
-def test_decode_steps_with_evictions_run_without_host_syncs():
-    state, _ = make_state(num_layers=4, full_layers=(0,), budget=8, evict_page=4, rows=4096, context=4096)
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_decode_steps_with_evictions_run_without_host_syncs(policy):
+    """Every policy's decode update, new-key scores and eviction ranking included."""
+    state, _ = make_state(
+        num_layers=4, full_layers=(0,), budget=8, evict_page=4, rows=4096, context=4096, policy=POLICIES[policy]()
+    )
     outputs, evicting = decode_lifecycle(state, 120, guard=no_host_sync)
     assert len(outputs) > 80 and evicting > 10  # every one of them inside the guard

@@ -112,8 +112,8 @@ def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries
     column = plan.column(slot)
     assert column.evict_slots.shape == (1, budget + evict_page)
     qd, kd, vd = torch.randn(2, H_KV * G, D), torch.randn(2, H_KV, D), torch.randn(2, H_KV, D)
-    evict_planned(plan, state.layout.sparse_slots.values(), state.lanes)
-    od = sparse_decode(qd, kd, vd, 0.3, plan, column, lane)
+    evict_planned(plan, state.layout.sparse_slots.values(), state.lanes, state.policy)
+    od = sparse_decode(qd, kd, vd, 0.3, plan, column, lane, state.policy, torch.tensor([24, 7]))
     state.finish_forward()
     assert heap.free_rows() == free_before - 2 * 3 + evict_page * 3
 
@@ -161,7 +161,7 @@ def test_sparse_forward_matches_dense_attention_and_stores_kv():
     grow(state, [1, 2], [6, 4])
     plan = plan_decode(state, [1, 2])
     qd, kd, vd = torch.randn(2, H_KV * G, D), torch.randn(2, H_KV, D), torch.randn(2, H_KV, D)
-    od = sparse_decode(qd, kd, vd, 0.3, plan, plan.column(slot), lane)
+    od = sparse_decode(qd, kd, vd, 0.3, plan, plan.column(slot), lane, state.policy, torch.tensor([5, 3]))
     keys = torch.cat([k[5:], kd[1:]])
     values = torch.cat([v[5:], vd[1:]])
     assert torch.allclose(od[1:].double(), dense_attention(qd[1:], keys, values, 0.3, False), atol=1e-5)

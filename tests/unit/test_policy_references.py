@@ -1,0 +1,189 @@
+"""Every scoring policy against a float64 computation by hand of what it keeps, at prefill and while
+decoding, through the sparse layer's own forward on a heap (one sparse layer, one request).
+
+Prefill: the row keeps the sink, the window and the best of the rest by the policy's float64
+scores, and stores those scores. Decode, step by step from what the row holds: the new key's
+score is the policy's (zero, its position or -||k||), every kept key's score is updated by this
+step's float64 attention as the policy says (added, replaced or left), and an eviction keeps the
+sink, the window and the best-ranked rest (SnapKV's ranking is the stored score; span's spreads
+it forward over the row's entries). Checks are tie-proof: a kept entry never ranks below a
+dropped one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from sglang_kvsparse.planning import plan_decode, plan_extend
+from sglang_kvsparse.policies import POLICIES, ScoringPolicy
+from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
+
+from .heap import H_KV, D, grow, make_state
+
+G = 2  # query heads per KV head
+SCALE = 0.3
+SINK, WINDOW, BUDGET, EVICT_PAGE = 1, 3, 12, 4
+PROMPT, STEPS = 30, 22
+#: Small knobs so that pooling and spreading show at these lengths.
+KNOBS: dict[str, dict] = {"snapkv": {"pool_kernel": 3}, "span": {"pool_kernel": 3, "follow": 2}}
+
+
+def probabilities(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """float64 causal attention of the last len(q) of `keys`' positions, summed over each KV
+    head's query heads: [T, H_q, D] x [L, H_kv, D] -> [H_kv, T, L]."""
+    t, n = q.shape[0], keys.shape[0]
+    logits = torch.einsum("thd,lhd->htl", q.double(), keys.double().repeat_interleave(G, dim=1)) * SCALE
+    future = torch.arange(n)[None, :] > (n - t + torch.arange(t))[:, None]
+    probs = logits.masked_fill(future, float("-inf")).softmax(-1)
+    return probs.unflatten(0, (H_KV, G)).sum(1)
+
+
+def max_over(scores: torch.Tensor, offsets: range) -> torch.Tensor:
+    """scores [L, H]: each position's max over scores[i + o] for o in offsets, inside 0..L-1."""
+    n = scores.shape[0]
+    return torch.stack([torch.stack([scores[i + o] for o in offsets if 0 <= i + o < n]).amax(0) for i in range(n)])
+
+
+@dataclass(frozen=True)
+class HandPolicy:
+    """What a policy means, written out: its prefill score, its decode update, a decoded key's
+    first score and the ranking an eviction uses."""
+
+    prefill: Callable[[torch.Tensor, torch.Tensor, dict], torch.Tensor]  # (probs [H, T, L], keys, knobs) -> [L, H]
+    update: str  # "add", "replace" or "none"
+    new_key: Callable[[torch.Tensor, int], torch.Tensor] = lambda k, position: torch.zeros(H_KV, dtype=torch.float64)
+    eviction_rank: Callable[[torch.Tensor, dict], torch.Tensor] = lambda scores, knobs: scores
+
+
+def window_mass(probs: torch.Tensor, queries: int) -> torch.Tensor:
+    return probs[:, -queries:].sum(1).T
+
+
+def snapkv(probs, keys, knobs):
+    return max_over(window_mass(probs, WINDOW), range(-(knobs["pool_kernel"] // 2), knobs["pool_kernel"] // 2 + 1))
+
+
+HAND: dict[str, HandPolicy] = {
+    "snapkv": HandPolicy(snapkv, "add"),
+    "span": HandPolicy(
+        lambda probs, keys, knobs: max_over(snapkv(probs, keys, knobs), range(-knobs["follow"], 1)),
+        "add",
+        eviction_rank=lambda scores, knobs: max_over(scores, range(-knobs["follow"], 1)),
+    ),
+    "h2o": HandPolicy(lambda probs, keys, knobs: probs.sum(1).T, "add"),
+    "tova": HandPolicy(lambda probs, keys, knobs: window_mass(probs, 1), "replace"),
+    "streamingllm": HandPolicy(
+        lambda probs, keys, knobs: torch.arange(keys.shape[0], dtype=torch.float64)[:, None].expand(-1, H_KV),
+        "none",
+        new_key=lambda k, position: torch.full((H_KV,), float(position), dtype=torch.float64),
+    ),
+    "keynorm": HandPolicy(
+        lambda probs, keys, knobs: -keys.double().norm(dim=-1),
+        "none",
+        new_key=lambda k, position: -k.double().norm(dim=-1),
+    ),
+}
+
+
+def test_every_policy_has_a_hand_computation():
+    assert set(HAND) == set(POLICIES)
+
+
+def assert_best_kept(rank: torch.Tensor, kept: list[int], length: int) -> None:
+    """`kept` (positions within 0..length-1, one head) holds the protected ones and the best of the
+    rest by `rank` [length]: budget entries, no dropped one ranking above a kept one."""
+    protected = {*range(min(SINK, length)), *range(max(0, length - WINDOW), length)}
+    assert len(kept) == min(BUDGET, length) and protected <= set(kept)
+    chosen = [p for p in kept if p not in protected]
+    dropped = [p for p in range(length) if p not in kept]
+    if chosen and dropped:
+        assert float(rank[chosen].min()) >= float(rank[dropped].max()) - 1e-9, (chosen, dropped)
+
+
+class Row:
+    """One request's row in the sparse layer (layer 1) of a two-layer state."""
+
+    def __init__(self, policy: ScoringPolicy) -> None:
+        self.state, _ = make_state(
+            num_layers=2, full_layers=(0,), budget=BUDGET, window=WINDOW, evict_page=EVICT_PAGE, policy=policy
+        )
+        self.state.expect([1], [PROMPT + STEPS])
+        slot = self.state.layout.sparse_slots[1]
+        self.slot, self.lane, self.group = slot, self.state.lanes[slot.lane], self.state.groups[slot.group]
+
+    def held(self, keys: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
+        """Per KV head, the positions the row holds in entry order (found by their keys among
+        `keys` [L, H, D]), and their stored scores [n, H] in float64."""
+        n = self.group.table.length(1)
+        rows = self.group.table.entries(1)[:n, self.slot.column]
+        score_slots = self.state.score_slots(self.group, torch.full((n,), 1), torch.arange(n))[:, self.slot.column]
+        stored = self.lane.k[rows]
+        positions = [
+            [int((keys[:, h] == stored[e, h]).all(-1).nonzero().item()) for e in range(n)] for h in range(H_KV)
+        ]
+        return positions, self.lane.scores[score_slots].double()
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_policy_keeps_what_its_float64_computation_keeps(name):
+    knobs = KNOBS.get(name, {})
+    hand, policy = HAND[name], POLICIES[name](**knobs)
+    gen = torch.Generator().manual_seed(sorted(POLICIES).index(name))
+    total = PROMPT + STEPS
+    q = torch.randn(total, H_KV * G, D, generator=gen)
+    keys = torch.randn(total, H_KV, D, generator=gen)
+    values = torch.randn(total, H_KV, D, generator=gen)
+    row = Row(policy)
+
+    # Prefill: the best by the hand scores, with those scores stored.
+    grow(row.state, [1], [PROMPT])
+    plan = plan_extend(row.state, [1], [0], [PROMPT])
+    sparse_extend(q[:PROMPT], keys[:PROMPT], values[:PROMPT], SCALE, plan, plan.column(row.slot), row.lane, policy)
+    row.state.finish_forward()
+    want = hand.prefill(probabilities(q[:PROMPT], keys[:PROMPT]), keys[:PROMPT], knobs)
+    held, stored = row.held(keys)
+    for h in range(H_KV):
+        assert held[h] == sorted(held[h])  # entries in position order
+        assert_best_kept(want[:, h], held[h], PROMPT)
+        torch.testing.assert_close(stored[:, h], want[held[h], h], atol=1e-5, rtol=1e-5)
+
+    evictions = 0
+    for position in range(PROMPT, total):
+        held, before = row.held(keys)
+        grow(row.state, [1], [position + 1])
+        plan = plan_decode(row.state, [1])
+        evicting = plan.column(row.slot).evict_slots is not None
+        evict_planned(plan, [row.slot], row.state.lanes, policy)
+        sparse_decode(
+            q[position : position + 1],
+            keys[position : position + 1],
+            values[position : position + 1],
+            SCALE,
+            plan,
+            plan.column(row.slot),
+            row.lane,
+            policy,
+            torch.tensor([position]),
+        )
+        row.state.finish_forward()
+        after_positions, after = row.held(keys)
+        evictions += evicting
+        for h in range(H_KV):
+            old = held[h]
+            if evicting:  # the eviction kept the best-ranked of the old entries, in their order
+                rank = hand.eviction_rank(before[:, h : h + 1], knobs)[:, 0]
+                kept_entries = [old.index(p) for p in after_positions[h][:-1]]
+                assert_best_kept(rank, kept_entries, len(old))
+            else:
+                kept_entries = list(range(len(old)))
+            assert after_positions[h] == [old[e] for e in kept_entries] + [position]
+            # This step's attention over what the row now holds, and the update it makes.
+            mass = probabilities(q[position : position + 1], keys[after_positions[h]])[h, 0]
+            start = torch.cat([before[kept_entries, h], hand.new_key(keys[position], position)[h : h + 1]])
+            expected = {"add": start + mass, "replace": mass, "none": start}[hand.update]
+            torch.testing.assert_close(after[:, h], expected, atol=1e-5, rtol=1e-5)
+    assert evictions >= 4
