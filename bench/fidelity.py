@@ -7,6 +7,9 @@ and stops the server:
 
 - ``retrieval``: every prompt of ``kvsparse_testbed.retrieval`` (passkey and needle-in-essays)
   through the OpenAI chat endpoint with greedy decoding, scored by the answer;
+- ``ruler``: the harder RULER-style prompts of ``kvsparse_testbed.ruler`` (look-alike facts,
+  7-digit numbers and UUIDs, several values, variable chains), asked the same way and scored on
+  the prompts the full cache answers (kvpress has not run them);
 - ``lm``: essay passages whose continuation is teacher-forced through the decode path
   (``kvsparse_testbed.continuations``): perplexity and top-1 accuracy on the real text, and
   next-token agreement with the full cache's own greedy continuation.
@@ -14,7 +17,9 @@ and stops the server:
 Variants:
 
 - ``snapkv``: every layer sparse at the budget: kvpress's SnapKV setting, method for method;
-- ``default``: the launcher's default recipe, layers 0 and 1 full, the others at the budget.
+- ``default``: the launcher's default recipe, layers 0 and 1 full, the others at the budget;
+- ``span``, ``h2o``, ``tova``, ``streamingllm``, ``keynorm``: the default recipe with that
+  scoring policy (``docs/config.md``) instead of SnapKV.
 
 As in kvpress's runs, a budget is evaluated only on prompts longer than it. The comparison uses the
 prompts that both full caches (this server's and kvpress's) answer correctly, so every cell of a
@@ -23,11 +28,11 @@ asked unless ``--all-prompts`` is given (it triples the run time). kvpress's num
 its report (``bench/fidelity_kvpress.py``, run in its own environment), matched by prompt id and
 answer.
 
-Writes ``<out-dir>/fidelity-<date>.json`` (every answer and score), ``.md`` and ``.png`` (accuracy,
-agreement and perplexity against budget), rewritten after each system.
+Writes ``<out-dir>/fidelity[-<tag>]-<date>.json`` (every answer and score), ``.md`` and ``.png``
+(accuracy, agreement and perplexity against budget), rewritten after each system.
 
-Usage: .venv/bin/python bench/fidelity.py [--suites retrieval,lm] [--budgets 256,512,1024,2048]
-       [--variants snapkv,default] [--kvpress bench/results/fidelity-kvpress-<date>.json]
+Usage: .venv/bin/python bench/fidelity.py [--suites retrieval,ruler,lm] [--budgets 256,512,1024,2048]
+       [--variants snapkv,default,span,...] [--kvpress bench/results/fidelity-kvpress-<date>.json]
        [--all-prompts] [--limit N] [--lm-context-lens 2000,4000] [--lm-passages 3] [--out-dir DIR]
 """
 
@@ -48,18 +53,28 @@ from common import teacher_forced
 from common.report import ReportPaths, write_json
 from common.systems import ServerSettings, args_for_report, machine, prepare_model, server_for, shared_server_args
 
-from kvsparse_testbed import continuations, retrieval
+from kvsparse_testbed import continuations, retrieval, ruler
 from kvsparse_testbed.server import ServerStartError
 from kvsparse_testbed.texts import essay_text
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_BUDGETS = (256, 512, 1024, 2048)
-SUITES = ("retrieval", "lm")
+SUITES = ("retrieval", "ruler", "lm")
 FULL = "full"
 FULL_FLAGS = ("--kvsparse-preset", "off")
+
+
+def _default_with(policy: str) -> Callable[[int], tuple[str, ...]]:
+    return lambda budget: (
+        *("--kvsparse-full-layers", "0,1", "--kvsparse-budget", str(budget)),
+        *("--kvsparse-config", json.dumps({"policy": policy})),
+    )
+
+
 VARIANTS: dict[str, Callable[[int], tuple[str, ...]]] = {
     "snapkv": lambda budget: ("--kvsparse-preset", "snapkv", "--kvsparse-budget", str(budget)),
     "default": lambda budget: ("--kvsparse-full-layers", "0,1", "--kvsparse-budget", str(budget)),
+    **{policy: _default_with(policy) for policy in ("span", "h2o", "tova", "streamingllm", "keynorm")},
 }
 SETTINGS = ServerSettings(
     model="default",
@@ -81,7 +96,12 @@ def build_prompts() -> list[retrieval.RetrievalPrompt]:
     return retrieval.passkey_prompts() + retrieval.needle_prompts(essays)
 
 
-def ask(base_url: str, prompt: retrieval.RetrievalPrompt, max_new_tokens: int) -> dict[str, Any]:
+def build_ruler_prompts(tasks: list[str], lengths: list[int], per_length: int) -> list[ruler.RulerPrompt]:
+    essays = essay_text(ruler.min_essay_chars(lengths))
+    return ruler.ruler_prompts(essays, tasks=tasks, lengths=lengths, per_length=per_length)
+
+
+def ask(base_url: str, prompt: retrieval.RetrievalPrompt | ruler.RulerPrompt, max_new_tokens: int) -> dict[str, Any]:
     """One greedy chat completion; the answer, whether it is right, and the prompt's token count."""
     body = {
         "model": "default",
@@ -95,7 +115,7 @@ def ask(base_url: str, prompt: retrieval.RetrievalPrompt, max_new_tokens: int) -
     output = result["choices"][0]["message"]["content"] or ""
     return {
         "output": output,
-        "correct": retrieval.is_correct(prompt.answer, output),
+        "correct": prompt.correct(output),
         "prompt_tokens": result["usage"]["prompt_tokens"],
     }
 
@@ -127,7 +147,8 @@ def run_system(
     try:
         with server_for(name, flags, shared, SETTINGS, log_dir, say) as server:
             for number, prompt in enumerate(prompts, 1):
-                answer = ask(server.base_url, prompt, max_new_tokens)
+                tokens = ruler.MAX_NEW_TOKENS if isinstance(prompt, ruler.RulerPrompt) else max_new_tokens
+                answer = ask(server.base_url, prompt, tokens)
                 if budget is not None and answer["prompt_tokens"] <= budget:
                     continue
                 system["answers"][prompt.prompt_id] = answer
@@ -160,9 +181,15 @@ def load_kvpress(path: Path, prompts: list) -> dict[str, Any]:
     return {"path": path.name, "kvpress": report["settings"]["kvpress"], "prompts": by_id}
 
 
-def accuracy(report: dict[str, Any], kvpress: dict[str, Any] | None) -> dict[str, Any]:
-    """Correct / evaluated per (method, budget) over the prompts both full caches solve."""
-    systems = {s["name"]: s for s in report["systems"] if s["error"] is None}
+def accuracy(report: dict[str, Any], kvpress: dict[str, Any] | None, prompt_ids: list[str]) -> dict[str, Any]:
+    """Correct / evaluated per (method, budget) over those of `prompt_ids` that both full caches
+    solve (only this server's when `kvpress` is None)."""
+    ids = set(prompt_ids)
+    systems = {
+        s["name"]: {**s, "answers": {pid: a for pid, a in s["answers"].items() if pid in ids}}
+        for s in report["systems"]
+        if s["error"] is None
+    }
     full = systems.get(FULL)
     if full is None or not full["answers"]:
         return {}
@@ -263,13 +290,14 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     if "retrieval" in settings["suites"]:
         lines += retrieval_markdown(report)
+    if "ruler" in settings["suites"]:
+        lines += ruler_markdown(report)
     if "lm" in settings["suites"]:
         lines += lm_markdown(report)
     return "\n".join(lines) + "\n"
 
 
 def retrieval_markdown(report: dict[str, Any]) -> list[str]:
-    budgets = report["settings"]["budgets"]
     acc = report["accuracy"]
     lines = [
         "## Retrieval",
@@ -283,14 +311,58 @@ def retrieval_markdown(report: dict[str, Any]) -> list[str]:
     if not acc:
         return lines + ["The full-cache run failed; no accuracy.", ""]
     solved = len(acc["solved_by_both_full_caches"])
-    lines += [
+    return lines + [
         f"Full cache through the server: {acc['full_cache_solved']}/{acc['prompts']} correct. Each "
         f"cell: correct / evaluated over the {solved} prompts that both full caches (this server's "
         "and kvpress's) answer correctly; a budget is evaluated on prompts longer than it.",
         "",
-        "| method | " + " | ".join(f"{b:,}" for b in budgets) + " |",
-        "|---|" + "---|" * len(budgets),
+        *accuracy_table(report, acc, report["prompt_ids"]),
     ]
+
+
+def ruler_markdown(report: dict[str, Any]) -> list[str]:
+    acc = report["ruler_accuracy"]
+    lines = [
+        "## Harder retrieval (RULER-style)",
+        "",
+        f"{len(report['ruler_prompt_ids'])} prompts of `kvsparse_testbed.ruler` "
+        f"({', '.join(report['settings']['ruler_tasks'])}; "
+        f"{report['settings']['ruler_per_length']} per task and length, haystacks of "
+        f"{', '.join(f'{n:,}' for n in report['settings']['ruler_lengths'])} tokens), greedy, {ruler.MAX_NEW_TOKENS} "
+        "new tokens; an answer counts when it holds every expected value.",
+        "",
+    ]
+    if not acc:
+        return lines + ["The full-cache run failed; no accuracy.", ""]
+    return lines + [
+        f"Full cache through the server: {acc['full_cache_solved']}/{acc['prompts']} correct. Each cell: "
+        f"correct / evaluated over the {len(acc['solved_by_both_full_caches'])} prompts the full cache "
+        "answers correctly; a budget is evaluated on prompts longer than it. By task:",
+        "",
+        *task_table(report, acc),
+        "",
+        *accuracy_table(report, acc, report["ruler_prompt_ids"]),
+    ]
+
+
+def task_table(report: dict[str, Any], acc: dict[str, Any]) -> list[str]:
+    """Correct / evaluated per system and task, over the prompts the full cache solves."""
+    solved = set(acc["solved_by_both_full_caches"])
+    tasks = report["settings"]["ruler_tasks"]
+    lines = ["| system | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+    for system in report["systems"]:
+        cells = []
+        for task in tasks:
+            runs = [a for pid, a in system["answers"].items() if pid in solved and pid.startswith(f"ruler-{task}-")]
+            cells.append(f"{sum(a['correct'] for a in runs)}/{len(runs)}" if runs else "—")
+        lines.append(f"| {system['name']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def accuracy_table(report: dict[str, Any], acc: dict[str, Any], prompt_ids: list[str]) -> list[str]:
+    """The per-method table by budget, then every prompt's mark per system."""
+    budgets = report["settings"]["budgets"]
+    lines = ["| method | " + " | ".join(f"{b:,}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     for method, cells in acc["rows"].items():
         shown = [cells.get(str(b)) for b in budgets]
         lines.append(
@@ -306,12 +378,13 @@ def retrieval_markdown(report: dict[str, Any]) -> list[str]:
         "|---|---|---|" + "---|" * len(report["systems"]),
     ]
     tokens = report["prompt_tokens"]
-    for pid, answer in zip(report["prompt_ids"], report["answers"]):
+    answers = dict(zip(report["prompt_ids"] + report["ruler_prompt_ids"], report["answers"] + report["ruler_answers"]))
+    for pid in prompt_ids:
         marks = []
         for system in report["systems"]:
             run = system["answers"].get(pid)
             marks.append("—" if run is None else ("✓" if run["correct"] else "✗"))
-        lines.append(f"| {pid} | {tokens.get(pid, '—')} | {answer} | " + " | ".join(marks) + " |")
+        lines.append(f"| {pid} | {tokens.get(pid, '—')} | {answers[pid]} | " + " | ".join(marks) + " |")
     return lines + [""]
 
 
@@ -358,22 +431,21 @@ def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [
-        kind for kind, present in (("retrieval", report["accuracy"]), ("lm", report["language_model"])) if present
-    ]
+    accuracies = {"retrieval": report["accuracy"], "ruler": report["ruler_accuracy"]}
+    present = (*accuracies.items(), ("lm", report["language_model"]))
+    panels = [kind for kind, result in present if result]
     if not panels:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
     budgets = report["settings"]["budgets"]
     for axis, kind in zip(axes[0], panels):
-        if kind == "retrieval":
-            for method, cells in report["accuracy"]["rows"].items():
+        if kind in accuracies:
+            for method, cells in accuracies[kind]["rows"].items():
                 xs = sorted(int(b) for b in cells)
                 ys = [cells[str(b)]["correct"] / max(cells[str(b)]["evaluated"], 1) for b in xs]
                 axis.plot(xs, ys, marker="o", linestyle="-" if method.startswith("project") else "--", label=method)
-            axis.set(
-                ylabel="retrieval accuracy", title="Retrieval (prompts both full caches solve)", ylim=(-0.05, 1.05)
-            )
+            title = "Retrieval (prompts both full caches solve)" if kind == "retrieval" else "RULER-style"
+            axis.set(ylabel="accuracy", title=title, ylim=(-0.05, 1.05))
         else:
             rows = [r for r in report["language_model"]["rows"] if r["budget"] is not None]
             for variant in dict.fromkeys(r["system"].rsplit("-", 1)[0] for r in rows):
@@ -407,7 +479,8 @@ def write_report(
     report["prompt_tokens"] = tokens
     if tokens:
         report["settings"].update(prompt_tokens_min=min(tokens.values()), prompt_tokens_max=max(tokens.values()))
-    report["accuracy"] = accuracy(report, kvpress)
+    report["accuracy"] = accuracy(report, kvpress, report["prompt_ids"])
+    report["ruler_accuracy"] = accuracy(report, None, report["ruler_prompt_ids"])
     report["language_model"] = language_model(report, kvpress_lm)
     write_json(paths, report)
     paths.markdown.write_text(markdown(report))
@@ -421,7 +494,7 @@ def latest_report(prefix: str) -> Path | None:
 
 
 #: Report fields that must be equal for `--resume` to reuse an earlier run's systems.
-_RUN_IDENTITY = ("server_args", "settings", "prompt_ids", "passage_ids", "kvpress", "kvpress_lm")
+_RUN_IDENTITY = ("server_args", "settings", "prompt_ids", "ruler_prompt_ids", "passage_ids", "kvpress", "kvpress_lm")
 
 
 def resumable(paths: ReportPaths, report: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -460,8 +533,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-kvpress", action="store_true", help="compare with nothing external")
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--limit", type=int, help="only the first N retrieval prompts (a quick look)")
+    parser.add_argument("--limit", type=int, help="only the first N prompts of each retrieval suite (a quick look)")
     parser.add_argument("--all-prompts", action="store_true", help="also ask the prompts kvpress's full cache misses")
+    parser.add_argument("--ruler-tasks", type=lambda text: text.split(","), default=list(ruler.TASKS))
+    parser.add_argument(
+        "--ruler-lengths", type=_ints, default=list(ruler.DEFAULT_LENGTHS), help="haystack tokens of the ruler prompts"
+    )
+    parser.add_argument(
+        "--ruler-per-length", type=int, default=ruler.DEFAULT_PER_LENGTH, help="ruler prompts per task and length"
+    )
     parser.add_argument("--lm-context-lens", type=_ints, default=list(continuations.DEFAULT_CONTEXT_LENS))
     parser.add_argument(
         "--lm-passages", type=int, default=continuations.DEFAULT_PASSAGES_PER_LEN, help="passages per context length"
@@ -470,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         "--lm-continuation", type=int, default=continuations.DEFAULT_CONTINUATION_LEN, help="forced tokens per passage"
     )
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--tag", default="", help="name the report fidelity-<tag>-<date> (runs of one day apart)")
     parser.add_argument(
         "--resume", action="store_true", help="keep the systems today's report measured without error; run the rest"
     )
@@ -491,8 +572,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.all_prompts:
             prompts = [p for p in prompts if kvpress["prompts"][p.prompt_id]["full"]["correct"]]
     prompts = prompts[: args.limit] if args.limit else prompts
+    ruler_prompts = []
+    if "ruler" in suites:
+        ruler_prompts = build_ruler_prompts(args.ruler_tasks, args.ruler_lengths, args.ruler_per_length)
+    ruler_prompts = ruler_prompts[: args.limit] if args.limit else ruler_prompts
     date = dt.date.today().isoformat()
-    paths = ReportPaths(args.out_dir, f"fidelity-{date}")
+    paths = ReportPaths(args.out_dir, f"fidelity-{args.tag + '-' if args.tag else ''}{date}")
     log_dir = args.out_dir / f"{paths.stem}-logs"
     model_dir, load_args = prepare_model(SETTINGS, log_dir)
     passages = (
@@ -514,12 +599,17 @@ def main(argv: list[str] | None = None) -> int:
             "budgets": budgets,
             "variants": variants,
             "max_new_tokens": args.max_new_tokens,
+            "ruler_tasks": args.ruler_tasks,
+            "ruler_lengths": args.ruler_lengths,
+            "ruler_per_length": args.ruler_per_length,
             "lm_context_lens": args.lm_context_lens,
             "lm_passages_per_len": args.lm_passages,
             "lm_continuation_len": args.lm_continuation,
         },
         "prompt_ids": [p.prompt_id for p in prompts],
         "answers": [p.answer for p in prompts],
+        "ruler_prompt_ids": [p.prompt_id for p in ruler_prompts],
+        "ruler_answers": [p.answer for p in ruler_prompts],
         "passage_ids": [p.passage_id for p in passages],
         "full_greedy_continuations": {},
         "kvpress": kvpress and {k: v for k, v in kvpress.items() if k != "prompts"},
@@ -530,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         (f"{variant}-{budget}", VARIANTS[variant](budget), budget) for variant in variants for budget in budgets
     ]
     say(
-        f"{len(prompts)} prompts, {len(passages)} passages; {len(plan)} servers: "
+        f"{len(prompts)} + {len(ruler_prompts)} prompts, {len(passages)} passages; {len(plan)} servers: "
         f"{', '.join(name for name, _, _ in plan)}"
     )
     done = resumable(paths, report) if args.resume else {}
@@ -543,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
             name,
             flags,
             shared,
-            prompts,
+            prompts + ruler_prompts,
             passages,
             report["full_greedy_continuations"],
             budget,

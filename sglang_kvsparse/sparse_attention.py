@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from sglang_kvsparse import kernels
+from sglang_kvsparse.kernels.common import positions_in_segment
 from sglang_kvsparse.layout import SparseSlot
 from sglang_kvsparse.planning import ColumnPlan, ForwardPlan, MixedPlan
 from sglang_kvsparse.policies import PrefillScoringInputs, ScoringPolicy
@@ -33,7 +34,8 @@ def sparse_extend(
 
     The keys are the batch's own `k`/`v` ([T, H_kv, D]), preceded per request by its cached
     prefix's entries from the prefix store when it has one (`sequence_kv`). When every row fits
-    its budget all entries are stored with zero scores; otherwise `policy` scores the keys (SnapKV:
+    its budget all entries are stored with the score the policy gives a decoded key
+    (`new_key_scores`: zero for the attention-based ones); otherwise `policy` scores the keys (SnapKV:
     the observation window's attention, pooled), `select_kept` keeps sink + window + the best up to
     the budget per KV head, and the kept K/V and scores are scattered into the row's slots.
     Either way the prefix was read, not written: the row gets copies. The new tokens' K/V also go
@@ -48,10 +50,13 @@ def sparse_extend(
     if column.store_slots is not None and column.store_slots.numel():
         _store(buffers, column.store_slots, k[plan.store_positions], v[plan.store_positions])
     if not column.compress:
+        in_sequence = positions_in_segment(kv_indptr, k_all.shape[0])
         if plan.kept_positions is not None:
             k_all, v_all = k_all[plan.kept_positions], v_all[plan.kept_positions]
+            in_sequence = in_sequence[plan.kept_positions]
         _store(buffers, column.new_slots, k_all, v_all)
-        buffers.scores[column.new_score_slots] = 0.0
+        # Scored as decoded keys are, so that later evictions compare them in the policy's units.
+        buffers.scores[column.new_score_slots] = policy.new_key_scores(k_all, in_sequence)
         return o
     inputs = PrefillScoringInputs(q, k_all, lse, plan.qo_indptr, kv_indptr, positions, sm_scale, plan.window)
     scores = policy.score(inputs)

@@ -64,6 +64,9 @@ class RetrievalPrompt:
     needle_char_offset: int
     haystack_chars: int
 
+    def correct(self, output: str) -> bool:
+        return is_correct(self.answer, output)
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 

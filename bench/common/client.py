@@ -53,6 +53,8 @@ class Workload:
     flush_cache: bool = True
     #: Lengths drawn uniformly from [range_ratio x length, length] (random-ids only).
     range_ratio: float = 1.0
+    #: Requests the client sends before measuring (none where only counts matter, not speed).
+    warmup_requests: int = 1
 
     def client_args(self) -> list[str]:
         """Arguments for ``sglang.benchmark.serving``.
@@ -72,6 +74,8 @@ class Workload:
             str(self.max_concurrency),
             "--seed",
             str(self.seed),
+            "--warmup-requests",
+            str(self.warmup_requests),
         ]
         if self.flush_cache:
             common.append("--flush-cache")
