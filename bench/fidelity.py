@@ -303,8 +303,8 @@ def retrieval_markdown(report: dict[str, Any]) -> list[str]:
         "## Retrieval",
         "",
         f"{len(report['prompt_ids'])} prompts (passkey and needle-in-essays, "
-        f"{report['settings'].get('prompt_tokens_min', 0):,}–{report['settings'].get('prompt_tokens_max', 0):,} "
-        f"tokens), greedy, {report['settings']['max_new_tokens']} new tokens, OpenAI chat endpoint; "
+        f"{token_range(report, report['prompt_ids'])} tokens), greedy, "
+        f"{report['settings']['max_new_tokens']} new tokens, OpenAI chat endpoint; "
         f"kvpress reference: {report['kvpress']['path'] if report.get('kvpress') else 'none'}.",
         "",
     ]
@@ -320,6 +320,12 @@ def retrieval_markdown(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def token_range(report: dict[str, Any], prompt_ids: list[str]) -> str:
+    """The shortest and longest of these prompts as the server counted them."""
+    tokens = [report["prompt_tokens"][pid] for pid in prompt_ids if pid in report["prompt_tokens"]]
+    return f"{min(tokens):,}–{max(tokens):,}" if tokens else "—"
+
+
 def ruler_markdown(report: dict[str, Any]) -> list[str]:
     acc = report["ruler_accuracy"]
     lines = [
@@ -328,7 +334,8 @@ def ruler_markdown(report: dict[str, Any]) -> list[str]:
         f"{len(report['ruler_prompt_ids'])} prompts of `kvsparse_testbed.ruler` "
         f"({', '.join(report['settings']['ruler_tasks'])}; "
         f"{report['settings']['ruler_per_length']} per task and length, haystacks of "
-        f"{', '.join(f'{n:,}' for n in report['settings']['ruler_lengths'])} tokens), greedy, {ruler.MAX_NEW_TOKENS} "
+        f"{', '.join(f'{n:,}' for n in report['settings']['ruler_lengths'])} tokens; prompts of "
+        f"{token_range(report, report['ruler_prompt_ids'])} tokens), greedy, {ruler.MAX_NEW_TOKENS} "
         "new tokens; an answer counts when it holds every expected value.",
         "",
     ]
@@ -477,8 +484,6 @@ def write_report(
 ) -> None:
     tokens = {pid: a["prompt_tokens"] for s in report["systems"] for pid, a in s["answers"].items()}
     report["prompt_tokens"] = tokens
-    if tokens:
-        report["settings"].update(prompt_tokens_min=min(tokens.values()), prompt_tokens_max=max(tokens.values()))
     report["accuracy"] = accuracy(report, kvpress, report["prompt_ids"])
     report["ruler_accuracy"] = accuracy(report, None, report["ruler_prompt_ids"])
     report["language_model"] = language_model(report, kvpress_lm)
@@ -503,7 +508,6 @@ def resumable(paths: ReportPaths, report: dict[str, Any]) -> dict[str, dict[str,
     if not paths.json.is_file():
         return {}
     earlier = json.loads(paths.json.read_text())
-    earlier["settings"] = {k: v for k, v in earlier["settings"].items() if not k.startswith("prompt_tokens_")}
     if any(earlier.get(key) != report.get(key) for key in _RUN_IDENTITY):
         raise SystemExit(f"--resume: {paths.json} was run with other settings; move it away or drop --resume")
     report["full_greedy_continuations"] = earlier["full_greedy_continuations"]
