@@ -16,6 +16,8 @@ request sends `custom_logit_processor=ForcedContinuation.to_str()` and
 The step is counted from the request's own records, not from `len(req.output_ids)`: under the
 overlap scheduler the next step is sampled before the previous token is appended. Steps past the
 forced ids (an overlap scheduler's discarded extra step) are left to the model and not recorded.
+Neither is a prompt's middle chunk: with chunked prefill SGLang samples a token for every row of
+the batch, the chunked request's too, and discards it; recording it would shift every later step.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class ForcedContinuation(CustomLogitProcessor):
         for row, params in enumerate(custom_param_list or []):
             forced = params["forced_ids"]
             req = params["__req__"]
+            if self.is_middle_chunk(req):
+                continue
             if req.customized_info is None:
                 req.customized_info = {}
             records = req.customized_info.setdefault(KEY, [])
@@ -48,3 +52,14 @@ class ForcedContinuation(CustomLogitProcessor):
             logits[row] = float("-inf")
             logits[row, token] = 0.0
         return logits
+
+    @staticmethod
+    def is_middle_chunk(req: Any) -> bool:
+        """Whether this forward prefills a chunk of `req`'s prompt that is not its last.
+
+        In SGLang 0.5.23 a round extends the request's tokens up to `req.extend_end`, and
+        `full_untruncated_fill_ids` holds its whole input (prompt and outputs so far) from the round's
+        start; the two are equal on a prompt's last chunk, and a decode round never moves
+        `extend_end` below the end. Both are set while scheduling, before the forward samples.
+        """
+        return req.extend_end is not None and req.extend_end < len(req.full_untruncated_fill_ids)

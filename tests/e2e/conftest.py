@@ -53,6 +53,7 @@ EVICTING_ARGS = [
     str(EVICTING_BUDGET),
     "--enable-metrics",
     "--enable-cache-report",
+    "--enable-custom-logit-processor",
 ]
 #: `patches/faults.py`: requests with these rid prefixes fail in the sparse admission / prefix match.
 FAULT_ADMISSION_RID, FAULT_MATCH_RID = "kvsparse-fault-admission-", "kvsparse-fault-match-"

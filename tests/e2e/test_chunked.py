@@ -13,7 +13,9 @@ import pytest
 import requests
 import torch
 
+from kvsparse_testbed.continuations import tokenized_essay_passages
 from kvsparse_testbed.retrieval import passkey_prompts
+from kvsparse_testbed.teacher_forcing import KEY, ForcedContinuation
 
 from .prompts import long_prompt
 from .servers import assert_every_slot_back
@@ -110,3 +112,33 @@ def test_each_turn_of_a_conversation_reuses_the_previous_prompt(evicting_server)
     stats = evicting_server.idle_stats()
     assert stats["store_entries_adopted"] > 0
     assert_every_slot_back(stats)
+
+
+def test_teacher_forcing_decodes_every_forced_token_of_chunked_prompts(evicting_server, model_path):
+    """bench/fidelity.py's language-model suite on the evicting server: passages of 1,100 and 700
+    tokens (three and two chunks, mixed with each other's decode steps) forced on their real
+    continuations at once. SGLang samples a token for a prompt's middle chunk too and drops it;
+    the forcing processor must not count that as a step, or every later token is shifted."""
+    from transformers import AutoTokenizer
+
+    passages = tokenized_essay_passages(AutoTokenizer.from_pretrained(model_path), (1_100, 700), 1, 24)
+
+    def forced(passage):
+        sampling = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+        sampling["custom_params"] = {"forced_ids": list(passage.continuation_ids)}
+        payload = {
+            "input_ids": list(passage.context_ids),
+            "sampling_params": sampling,
+            "custom_logit_processor": ForcedContinuation.to_str(),
+        }
+        response = requests.post(f"{evicting_server.url}/generate", json=payload, timeout=600)
+        response.raise_for_status()
+        return response.json()
+
+    evicting_server.flush_cache()
+    with ThreadPoolExecutor(len(passages)) as pool:
+        results = list(pool.map(forced, passages))
+    for passage, result in zip(passages, results):
+        assert result["output_ids"] == list(passage.continuation_ids)
+        assert len(result["meta_info"][KEY]) == len(passage.continuation_ids)
+    assert_every_slot_back(evicting_server.idle_stats())
