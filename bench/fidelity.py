@@ -32,7 +32,8 @@ Writes ``<out-dir>/fidelity[-<tag>]-<date>.json`` (every answer and score), ``.m
 (accuracy, agreement and perplexity against budget), rewritten after each system.
 
 Usage: .venv/bin/python bench/fidelity.py [--suites retrieval,ruler,lm] [--budgets 256,512,1024,2048]
-       [--variants snapkv,default,span,...] [--kvpress bench/results/fidelity-kvpress-<date>.json]
+       [--variants snapkv,default,span,...] [--variant LABEL=JSON ...]
+       [--kvpress bench/results/fidelity-kvpress-<date>.json]
        [--all-prompts] [--limit N] [--lm-context-lens 2000,4000] [--lm-passages 3] [--out-dir DIR]
 """
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import re
 import signal
 import sys
 import time
@@ -64,17 +66,33 @@ FULL = "full"
 FULL_FLAGS = ("--kvsparse-preset", "off")
 
 
-def _default_with(policy: str) -> Callable[[int], tuple[str, ...]]:
+def _default_with(config: dict) -> Callable[[int], tuple[str, ...]]:
+    """The default recipe (layers 0 and 1 full) with `config` (a `--kvsparse-config` object)."""
     return lambda budget: (
         *("--kvsparse-full-layers", "0,1", "--kvsparse-budget", str(budget)),
-        *("--kvsparse-config", json.dumps({"policy": policy})),
+        *("--kvsparse-config", json.dumps(config)),
     )
+
+
+def custom_variant(spec: str) -> tuple[str, Callable[[int], tuple[str, ...]]]:
+    """`--variant LABEL=JSON`: the default recipe with a `--kvsparse-config` object, named
+    LABEL (letters, digits, `_` and `.`), e.g. `span.w16={"window": 16, "policy": "span"}`."""
+    label, sep, text = spec.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.]+", label):
+        raise argparse.ArgumentTypeError(f"expected LABEL=JSON with LABEL of letters, digits, '_' or '.', got {spec!r}")
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{label}: not JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"{label}: expected a JSON object, got {text!r}")
+    return label, _default_with(config)
 
 
 VARIANTS: dict[str, Callable[[int], tuple[str, ...]]] = {
     "snapkv": lambda budget: ("--kvsparse-preset", "snapkv", "--kvsparse-budget", str(budget)),
     "default": lambda budget: ("--kvsparse-full-layers", "0,1", "--kvsparse-budget", str(budget)),
-    **{policy: _default_with(policy) for policy in ("span", "h2o", "tova", "streamingllm", "keynorm")},
+    **{policy: _default_with({"policy": policy}) for policy in ("span", "h2o", "tova", "streamingllm", "keynorm")},
 }
 SETTINGS = ServerSettings(
     model="default",
@@ -522,7 +540,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated, of {SUITES}")
     parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)))
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
+    parser.add_argument(
+        "--variant",
+        type=custom_variant,
+        action="append",
+        default=[],
+        metavar="LABEL=JSON",
+        help="also a system of the default recipe with this --kvsparse-config (repeatable)",
+    )
     parser.add_argument(
         "--kvpress",
         type=Path,
@@ -561,11 +587,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     budgets = sorted(_ints(args.budgets))
-    variants = args.variants.split(",")
+    variants = [v for v in args.variants.split(",") if v]
     suites = args.suites.split(",")
     unknown = [v for v in variants if v not in VARIANTS] + [s for s in suites if s not in SUITES]
     if unknown:
         parser.error(f"unknown --variants/--suites {unknown}; choose from {list(VARIANTS)} and {list(SUITES)}")
+    recipes = {**{variant: VARIANTS[variant] for variant in variants}, **dict(args.variant)}
+    if len(recipes) < len(variants) + len(args.variant):
+        parser.error("a --variant label repeats another system's name")
 
     prompts = build_prompts() if "retrieval" in suites else []
     kvpress = None
@@ -601,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             "suites": suites,
             "budgets": budgets,
-            "variants": variants,
+            "variants": list(recipes),
             "max_new_tokens": args.max_new_tokens,
             "ruler_tasks": args.ruler_tasks,
             "ruler_lengths": args.ruler_lengths,
@@ -621,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         "systems": [],
     }
     plan = [(FULL, FULL_FLAGS, None)] + [
-        (f"{variant}-{budget}", VARIANTS[variant](budget), budget) for variant in variants for budget in budgets
+        (f"{variant}-{budget}", recipe(budget), budget) for variant, recipe in recipes.items() for budget in budgets
     ]
     say(
         f"{len(prompts)} + {len(ruler_prompts)} prompts, {len(passages)} passages; {len(plan)} servers: "

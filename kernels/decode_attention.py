@@ -10,9 +10,10 @@ head in one tile, and writes a partial output, its LSE and the raw logits to scr
 (request, KV head, split), merges the partial LSEs into the final LSE, turns its chunk's logits into
 probabilities, sums them over the G heads and adds them to ``score_buf[slot, kv_head]`` (or
 overwrites it, or leaves it: the scoring policy's ``score_update``); the split-0 program also
-merges the partial outputs. Saving logits (4*G bytes per key) is cheaper than reading
-K again (2*D bytes per key) to recompute them once the final LSE is known. Every slot belongs to one
-request and one split, so the score updates are plain read-add-write without atomics.
+merges the partial outputs (with "none", stage 1 saves no logits and stage 2 stops there). Saving
+logits (4*G bytes per key) is cheaper than reading K again (2*D bytes per key) to recompute them
+once the final LSE is known. Every slot belongs to one request and one split, so the score updates
+are plain read-add-write without atomics.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    SAVE_LOGITS: tl.constexpr,  # False when the scores are not updated: stage 2 never reads them
 ):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -140,11 +142,12 @@ def _decode_partial_kernel(
             v = v.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # log2 units
         s = tl.where(n_ok[None, :], s, float("-inf"))
-        tl.store(
-            LOGITS + req * stride_lgb + n[None, :].to(tl.int64) * stride_lgn + head[:, None],
-            s,
-            mask=h_ok[:, None] & n_ok[None, :],
-        )
+        if SAVE_LOGITS:
+            tl.store(
+                LOGITS + req * stride_lgb + n[None, :].to(tl.int64) * stride_lgn + head[:, None],
+                s,
+                mask=h_ok[:, None] & n_ok[None, :],
+            )
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -285,7 +288,9 @@ def decode_attention_with_scores_triton(
     dev = q.device
     mid_o = torch.empty((batch, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32, device=dev)
     mid_lse = torch.empty((batch, num_q_heads, num_kv_splits), dtype=torch.float32, device=dev)
-    logits = torch.empty((batch, kv_indices.shape[1], num_q_heads), dtype=torch.float32, device=dev)
+    save_logits = SCORE_UPDATES[update] != "none"
+    logits_len = kv_indices.shape[1] if save_logits else 1
+    logits = torch.empty((batch, logits_len, num_q_heads), dtype=torch.float32, device=dev)
     grid = (batch, k_buf.shape[1], num_kv_splits)
     block_d = triton.next_power_of_2(head_dim)
     block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs M >= 16 on NVIDIA
@@ -322,6 +327,7 @@ def decode_attention_with_scores_triton(
         BLOCK_N=cfg.block_n,
         UPCAST=upcast_dots(q.dtype),
         PRECISION=dot_precision(q.dtype),
+        SAVE_LOGITS=save_logits,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

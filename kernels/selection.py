@@ -31,7 +31,9 @@ def pool_scores(
     if kind not in ("max", "avg"):
         raise ValueError(f"kind must be 'max' or 'avg', got {kind!r}")
     radius = kernel_size // 2
-    return _pool(scores, kv_indptr, [shift for shift in range(-radius, radius + 1) if shift], kind)
+    if kind == "max":
+        return _window_max(scores, kv_indptr, radius, radius)
+    return _pool_mean(scores, kv_indptr, radius)
 
 
 def spread_scores(scores: torch.Tensor, kv_indptr: torch.Tensor, follow: int) -> torch.Tensor:
@@ -42,29 +44,58 @@ def spread_scores(scores: torch.Tensor, kv_indptr: torch.Tensor, follow: int) ->
     """
     if follow < 0:
         raise ValueError(f"follow must be >= 0, got {follow}")
-    return _pool(scores, kv_indptr, list(range(-follow, 0)), "max")
+    return _window_max(scores, kv_indptr, follow, 0)
 
 
-def _pool(scores: torch.Tensor, kv_indptr: torch.Tensor, shifts: list[int], kind: str) -> torch.Tensor:
-    """Max or mean of each key's score and its neighbours at ``shifts`` within its request."""
+def _window_max(scores: torch.Tensor, kv_indptr: torch.Tensor, before: int, after: int) -> torch.Tensor:
+    """Max of each key's score over the keys from ``before`` keys before it to ``after`` keys
+    after it, clipped to its request: the max of a look-back and a look-ahead running max."""
     total = scores.shape[0]
-    if not shifts or total == 0:
+    if total == 0 or before + after == 0:
+        return scores.clone()
+    pos = positions_in_segment(kv_indptr, total)
+    keys_after = segment_lengths(kv_indptr)[segment_ids(kv_indptr, total)] - 1 - pos
+    pooled = _running_max(scores, pos, before, -1)
+    if after:
+        pooled = torch.maximum(pooled, _running_max(scores, keys_after, after, 1))
+    return pooled
+
+
+def _running_max(scores: torch.Tensor, room: torch.Tensor, width: int, direction: int) -> torch.Tensor:
+    """Max over each key and the ``width`` keys beside it in ``direction`` (-1 before, +1 after),
+    of which only ``room`` [total] exist in its request: O(log width) ops, not O(width) shifts.
+
+    ``span`` doubles while the max ``m`` covers ``span`` keys: m[i] = max(m[i], m[i + direction *
+    span]) where ``room`` allows it (where it does not, m[i] already reaches the request's edge);
+    a last step with the remainder covers exactly width + 1 keys. Max is exact in any order, so
+    the result is the plain sliding max to the bit.
+    """
+    index = torch.arange(scores.shape[0], device=scores.device)
+    last = scores.shape[0] - 1
+    pooled, span = scores, 1
+    while span < width + 1:
+        step = min(span, width + 1 - span)
+        src = (index + direction * step).clamp(0, last)
+        pooled = torch.where((room >= step)[:, None], torch.maximum(pooled, pooled[src]), pooled)
+        span += step
+    return pooled
+
+
+def _pool_mean(scores: torch.Tensor, kv_indptr: torch.Tensor, radius: int) -> torch.Tensor:
+    """Mean of each key's score and its in-request neighbours up to ``radius`` away."""
+    total = scores.shape[0]
+    if radius == 0 or total == 0:
         return scores.clone()
     seg = segment_ids(kv_indptr, total)
     index = torch.arange(total, device=scores.device)
-    fill = float("-inf") if kind == "max" else 0.0
     pooled = scores.clone()
     count = torch.ones(total, 1, dtype=scores.dtype, device=scores.device)
-    for shift in shifts:
+    for shift in (shift for shift in range(-radius, radius + 1) if shift):
         src = (index + shift).clamp(0, total - 1)
         same = ((index + shift) == src) & (seg[src] == seg)
-        neighbour = torch.where(same[:, None], scores[src], fill)
-        if kind == "max":
-            pooled = torch.maximum(pooled, neighbour)
-        else:
-            pooled = pooled + neighbour
-            count = count + same[:, None].to(scores.dtype)
-    return pooled if kind == "max" else pooled / count
+        pooled = pooled + torch.where(same[:, None], scores[src], 0.0)
+        count = count + same[:, None].to(scores.dtype)
+    return pooled / count
 
 
 def select_kept(

@@ -6,10 +6,14 @@ up here rather than as a silently empty column in a benchmark report.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 from kvsparse_testbed import server
 
@@ -88,3 +92,24 @@ def test_a_taken_port_is_detected_and_retried_on_fresh_ports(tmp_path: Path) -> 
     retries = [line for line in lines if "retrying" in line]
     assert len(retries) == server.PORT_ATTEMPTS - 1 and proc.port != 1
     assert proc.command[-1] == str(proc.port)
+
+
+def test_a_custom_fidelity_variant_is_the_default_recipe_with_its_config() -> None:
+    sys.path.insert(0, str(BENCH))  # fidelity.py imports its siblings as `common.*`
+    try:
+        fidelity = _load("fidelity.py")
+    finally:
+        sys.path.remove(str(BENCH))
+    label, recipe = fidelity.custom_variant('span.w16={"window": 16, "policy": "span"}')
+    flags = recipe(128)
+    assert label == "span.w16"
+    assert flags[:4] == ("--kvsparse-full-layers", "0,1", "--kvsparse-budget", "128")
+    assert flags[4] == "--kvsparse-config" and json.loads(flags[5]) == {"window": 16, "policy": "span"}
+    for spec, message in [
+        ("a-b={}", "LABEL of letters"),
+        ("x={", "not JSON"),
+        ("x=[1]", "a JSON object"),
+        ("x", "LABEL=JSON"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            fidelity.custom_variant(spec)
