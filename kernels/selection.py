@@ -65,10 +65,10 @@ def _running_max(scores: torch.Tensor, room: torch.Tensor, width: int, direction
     """Max over each key and the ``width`` keys beside it in ``direction`` (-1 before, +1 after),
     of which only ``room`` [total] exist in its request: O(log width) ops, not O(width) shifts.
 
-    ``span`` doubles while the max ``m`` covers ``span`` keys: m[i] = max(m[i], m[i + direction *
-    span]) where ``room`` allows it (where it does not, m[i] already reaches the request's edge);
-    a last step with the remainder covers exactly width + 1 keys. Max is exact in any order, so
-    the result is the plain sliding max to the bit.
+    While m[i] covers ``span`` keys, m[i] = max(m[i], m[i + direction * step]) with step = span
+    (the last time, the remainder up to width + 1) where ``room`` allows it; where it does not,
+    m[i] already reaches the request's edge. Max is exact in any order, so the result is the
+    plain sliding max to the bit.
     """
     index = torch.arange(scores.shape[0], device=scores.device)
     last = scores.shape[0] - 1
