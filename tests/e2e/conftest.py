@@ -40,7 +40,8 @@ LOSSLESS_SPARSITY = ["--kvsparse-full-layers", "0,1", "--kvsparse-budget", "8192
 #: ~38,700 rows of two lanes. A ~3,000-token prompt fits (3,000 + 14 x 272 rows), and so does a
 #: ~1,600-token cached prefix in every column beside a request reusing it, but twelve requests
 #: of ~240 tokens (240 x 15 rows each at their end) do not, which with SGLang's admission made
-#: optimistic (`RETRACTING_ENV`) forces retractions.
+#: optimistic (`RETRACTING_ENV`) forces retractions. Custom logit processors are on for the
+#: teacher-forcing test (`test_chunked.py`).
 EVICTING_BUDGET = 256
 EVICTING_ARGS = [
     "--dtype",
