@@ -53,8 +53,9 @@ def _window_max(scores: torch.Tensor, kv_indptr: torch.Tensor, before: int, afte
     total = scores.shape[0]
     if total == 0 or before + after == 0:
         return scores.clone()
-    pos = positions_in_segment(kv_indptr, total)
-    keys_after = segment_lengths(kv_indptr)[segment_ids(kv_indptr, total)] - 1 - pos
+    seg = segment_ids(kv_indptr, total)
+    pos = torch.arange(total, device=scores.device) - kv_indptr.to(torch.int64)[seg]
+    keys_after = segment_lengths(kv_indptr)[seg] - 1 - pos
     pooled = _running_max(scores, pos, before, -1)
     if after:
         pooled = torch.maximum(pooled, _running_max(scores, keys_after, after, 1))
