@@ -9,7 +9,8 @@ and stops the server:
   through the OpenAI chat endpoint with greedy decoding, scored by the answer;
 - ``ruler``: the harder RULER-style prompts of ``kvsparse_testbed.ruler`` (look-alike facts,
   7-digit numbers and UUIDs, several values, variable chains), asked the same way and scored on
-  the prompts the full cache answers (kvpress has not run them);
+  the prompts the full cache answers (and kvpress's full cache, with its report
+  ``bench/fidelity_kvpress.py --suites ruler``: every press of its sweep and its best per budget);
 - ``lm``: essay passages whose continuation is teacher-forced through the decode path
   (``kvsparse_testbed.continuations``): perplexity and top-1 accuracy on the real text, and
   next-token agreement with the full cache's own greedy continuation.
@@ -24,9 +25,9 @@ Variants:
 As in kvpress's runs, a budget is evaluated only on prompts longer than it. The comparison uses the
 prompts that both full caches (this server's and kvpress's) answer correctly, so every cell of a
 row counts the same prompts; prompts kvpress's full cache misses cannot count, so they are not
-asked unless ``--all-prompts`` is given (it triples the run time). kvpress's numbers are read from
-its report (``bench/fidelity_kvpress.py``, run in its own environment), matched by prompt id and
-answer.
+asked, nor are the sparse systems asked the prompts this server's full cache missed, unless
+``--all-prompts`` is given (it triples the run time). kvpress's numbers are read from its reports
+(``bench/fidelity_kvpress.py``, run in its own environment), matched by prompt id and answer.
 
 Writes ``<out-dir>/fidelity[-<tag>]-<date>.json`` (every answer and score), ``.md`` and ``.png``
 (accuracy, agreement and perplexity against budget), rewritten after each system.
@@ -34,6 +35,7 @@ Writes ``<out-dir>/fidelity[-<tag>]-<date>.json`` (every answer and score), ``.m
 Usage: .venv/bin/python bench/fidelity.py [--suites retrieval,ruler,lm] [--budgets 256,512,1024,2048]
        [--variants snapkv,default,span,...] [--variant LABEL=JSON ...]
        [--kvpress bench/results/fidelity-kvpress-<date>.json]
+       [--kvpress-ruler bench/results/fidelity-kvpress-ruler-<date>.json]
        [--all-prompts] [--limit N] [--lm-context-lens 2000,4000] [--lm-passages 3] [--out-dir DIR]
 """
 
@@ -138,6 +140,15 @@ def ask(base_url: str, prompt: retrieval.RetrievalPrompt | ruler.RulerPrompt, ma
     }
 
 
+def prompts_to_ask(report: dict[str, Any], prompts: list, all_prompts: bool) -> list:
+    """The full cache is asked every prompt; a sparse system only those the full cache answered
+    (no other counts), unless `all_prompts`."""
+    full = next((s for s in report["systems"] if s["name"] == FULL), None)
+    if full is None or all_prompts:
+        return prompts
+    return [p for p in prompts if full["answers"].get(p.prompt_id, {}).get("correct")]
+
+
 def run_system(
     name: str,
     flags: tuple[str, ...],
@@ -186,17 +197,21 @@ def run_system(
     return system
 
 
-def load_kvpress(path: Path, prompts: list) -> dict[str, Any]:
-    """kvpress's answers by prompt id, refusing a report built from other prompts."""
+def load_kvpress(path: Path, prompts: list, strict: bool = True) -> dict[str, Any] | None:
+    """kvpress's answers by prompt id and its presses' labels; a report built from other prompts
+    is refused (`strict`) or, for the RULER-style suite, left out with a message."""
     report = json.loads(path.read_text())
     by_id = {p["prompt_id"]: p for p in report["prompts"]}
     for prompt in prompts:
         theirs = by_id.get(prompt.prompt_id)
         if theirs is None or theirs["answer"] != prompt.answer:
-            raise SystemExit(
-                f"{path} was not built from these prompts ({prompt.prompt_id}); rerun bench/fidelity_kvpress.py"
-            )
-    return {"path": path.name, "kvpress": report["settings"]["kvpress"], "prompts": by_id}
+            message = f"{path} was not built from these prompts ({prompt.prompt_id}); rerun bench/fidelity_kvpress.py"
+            if strict:
+                raise SystemExit(message)
+            say(f"{message}: no kvpress rows in that table")
+            return None
+    methods = list(report["settings"]["press_parameters"])
+    return {"path": path.name, "kvpress": report["settings"]["kvpress"], "methods": methods, "prompts": by_id}
 
 
 def accuracy(report: dict[str, Any], kvpress: dict[str, Any] | None, prompt_ids: list[str]) -> dict[str, Any]:
@@ -225,7 +240,7 @@ def accuracy(report: dict[str, Any], kvpress: dict[str, Any] | None, prompt_ids:
             "evaluated": len(runs),
         }
     if kvpress is not None:
-        for method in ("snapkv", "pyramidkv", "streamingllm"):
+        for method in kvpress["methods"]:
             for budget in report["settings"]["budgets"]:
                 runs = [kvpress["prompts"][pid]["methods"].get(method, {}).get(str(budget)) for pid in solved]
                 runs = [r for r in runs if r is not None]
@@ -234,12 +249,24 @@ def accuracy(report: dict[str, Any], kvpress: dict[str, Any] | None, prompt_ids:
                         "correct": sum(r["correct"] for r in runs),
                         "evaluated": len(runs),
                     }
+        if len(kvpress["methods"]) > 1:
+            rows["kvpress best"] = best_per_budget({k: v for k, v in rows.items() if k.startswith("kvpress ")})
     return {
         "solved_by_both_full_caches": sorted(solved),
         "rows": rows,
         "full_cache_solved": sum(a["correct"] for a in full["answers"].values()),
         "prompts": len(full["answers"]),
     }
+
+
+def best_per_budget(rows: dict[str, dict[str, dict[str, int]]]) -> dict[str, dict[str, Any]]:
+    """Per budget, the row with the most correct answers (the first listed on a tie), named."""
+    best: dict[str, dict[str, Any]] = {}
+    for name, cells in rows.items():
+        for budget, cell in cells.items():
+            if budget not in best or cell["correct"] > best[budget]["correct"]:
+                best[budget] = {**cell, "method": name.removeprefix("kvpress ")}
+    return best
 
 
 def language_model(report: dict[str, Any], kvpress_lm: dict[str, Any] | None) -> dict[str, Any]:
@@ -362,7 +389,13 @@ def ruler_markdown(report: dict[str, Any]) -> list[str]:
     return lines + [
         f"Full cache through the server: {acc['full_cache_solved']}/{acc['prompts']} correct. Each cell: "
         f"correct / evaluated over the {len(acc['solved_by_both_full_caches'])} prompts the full cache "
-        "answers correctly; a budget is evaluated on prompts longer than it. By task:",
+        + (
+            f"and kvpress's (`{report['kvpress_ruler']['path']}`, every press of its sweep, then its best "
+            "per budget) answer correctly"
+            if report.get("kvpress_ruler")
+            else "answers correctly"
+        )
+        + "; a budget is evaluated on prompts longer than it. By task:",
         "",
         *task_table(report, acc),
         "",
@@ -384,17 +417,19 @@ def task_table(report: dict[str, Any], acc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def cell_text(cell: dict[str, Any]) -> str:
+    """correct/evaluated, and for a best-of row the press that scored it."""
+    text = f"{cell['correct']}/{cell['evaluated']}"
+    return f"{text} ({cell['method']})" if "method" in cell else text
+
+
 def accuracy_table(report: dict[str, Any], acc: dict[str, Any], prompt_ids: list[str]) -> list[str]:
     """The per-method table by budget, then every prompt's mark per system."""
     budgets = report["settings"]["budgets"]
     lines = ["| method | " + " | ".join(f"{b:,}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
     for method, cells in acc["rows"].items():
         shown = [cells.get(str(b)) for b in budgets]
-        lines.append(
-            f"| {method} | "
-            + " | ".join("—" if c is None else f"{c['correct']}/{c['evaluated']}" for c in shown)
-            + " |"
-        )
+        lines.append(f"| {method} | " + " | ".join("—" if c is None else cell_text(c) for c in shown) + " |")
     lines += [
         "",
         "### Per prompt",
@@ -465,7 +500,11 @@ def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
     budgets = report["settings"]["budgets"]
     for axis, kind in zip(axes[0], panels):
         if kind in accuracies:
-            for method, cells in accuracies[kind]["rows"].items():
+            rows = accuracies[kind]["rows"]
+            swept = "kvpress best" in rows  # then kvpress's best stands for its sweep
+            for method, cells in rows.items():
+                if swept and method.startswith("kvpress ") and method != "kvpress best":
+                    continue
                 xs = sorted(int(b) for b in cells)
                 ys = [cells[str(b)]["correct"] / max(cells[str(b)]["evaluated"], 1) for b in xs]
                 axis.plot(xs, ys, marker="o", linestyle="-" if method.startswith("project") else "--", label=method)
@@ -497,14 +536,13 @@ def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
     plt.close(fig)
 
 
-def write_report(
-    paths: ReportPaths, report: dict[str, Any], kvpress: dict[str, Any] | None, kvpress_lm: dict[str, Any] | None
-) -> None:
+def write_report(paths: ReportPaths, report: dict[str, Any], references: dict[str, dict[str, Any] | None]) -> None:
+    """`references`: kvpress's runs ("retrieval", "ruler", "lm"), each None when absent."""
     tokens = {pid: a["prompt_tokens"] for s in report["systems"] for pid, a in s["answers"].items()}
     report["prompt_tokens"] = tokens
-    report["accuracy"] = accuracy(report, kvpress, report["prompt_ids"])
-    report["ruler_accuracy"] = accuracy(report, None, report["ruler_prompt_ids"])
-    report["language_model"] = language_model(report, kvpress_lm)
+    report["accuracy"] = accuracy(report, references["retrieval"], report["prompt_ids"])
+    report["ruler_accuracy"] = accuracy(report, references["ruler"], report["ruler_prompt_ids"])
+    report["language_model"] = language_model(report, references["lm"])
     write_json(paths, report)
     paths.markdown.write_text(markdown(report))
     write_plot(paths, report)
@@ -516,8 +554,13 @@ def latest_report(prefix: str) -> Path | None:
     return reports[-1] if reports else None
 
 
-#: Report fields that must be equal for `--resume` to reuse an earlier run's systems.
-_RUN_IDENTITY = ("server_args", "settings", "prompt_ids", "ruler_prompt_ids", "passage_ids", "kvpress", "kvpress_lm")
+#: Report fields that must be equal for `--resume` to reuse an earlier run's systems (of its
+#: settings, all but which variants and budgets run: a kept system must also have the same flags).
+#: kvpress's reports are not among them: they are references, read again for every write (the
+#: retrieval prompts one selects are in `prompt_ids`), so a resumed run redraws its tables against
+#: the latest (a finished run resumed only redraws).
+_RUN_IDENTITY = ("server_args", "prompt_ids", "ruler_prompt_ids", "passage_ids")
+_PLAN_SETTINGS = ("variants", "budgets")
 
 
 def resumable(paths: ReportPaths, report: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -526,7 +569,12 @@ def resumable(paths: ReportPaths, report: dict[str, Any]) -> dict[str, dict[str,
     if not paths.json.is_file():
         return {}
     earlier = json.loads(paths.json.read_text())
-    if any(earlier.get(key) != report.get(key) for key in _RUN_IDENTITY):
+
+    def measured(settings: dict[str, Any]) -> dict[str, Any]:
+        return {key: value for key, value in settings.items() if key not in _PLAN_SETTINGS}
+
+    same_settings = measured(earlier["settings"]) == measured(report["settings"])
+    if not same_settings or any(earlier.get(key) != report.get(key) for key in _RUN_IDENTITY):
         raise SystemExit(f"--resume: {paths.json} was run with other settings; move it away or drop --resume")
     report["full_greedy_continuations"] = earlier["full_greedy_continuations"]
     return {s["name"]: s for s in earlier["systems"] if s["error"] is None}
@@ -556,6 +604,12 @@ def main(argv: list[str] | None = None) -> int:
         help="kvpress retrieval report to compare with (default: the latest in bench/results)",
     )
     parser.add_argument(
+        "--kvpress-ruler",
+        type=Path,
+        default=latest_report("fidelity-kvpress-ruler"),
+        help="kvpress report on the RULER-style prompts (default: the latest in bench/results)",
+    )
+    parser.add_argument(
         "--kvpress-lm",
         type=Path,
         default=latest_report("fidelity-kvpress-lm"),
@@ -564,7 +618,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-kvpress", action="store_true", help="compare with nothing external")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--limit", type=int, help="only the first N prompts of each retrieval suite (a quick look)")
-    parser.add_argument("--all-prompts", action="store_true", help="also ask the prompts kvpress's full cache misses")
+    parser.add_argument(
+        "--all-prompts",
+        action="store_true",
+        help="also ask the prompts a full cache misses (kvpress's; this server's, of the sparse systems)",
+    )
     parser.add_argument("--ruler-tasks", type=lambda text: text.split(","), default=list(ruler.TASKS))
     parser.add_argument(
         "--ruler-lengths", type=_ints, default=list(ruler.DEFAULT_LENGTHS), help="haystack tokens of the ruler prompts"
@@ -609,6 +667,9 @@ def main(argv: list[str] | None = None) -> int:
     if "ruler" in suites:
         ruler_prompts = build_ruler_prompts(args.ruler_tasks, args.ruler_lengths, args.ruler_per_length)
     ruler_prompts = ruler_prompts[: args.limit] if args.limit else ruler_prompts
+    kvpress_ruler = None
+    if ruler_prompts and not args.no_kvpress and args.kvpress_ruler is not None:
+        kvpress_ruler = load_kvpress(args.kvpress_ruler, ruler_prompts, strict=False)
     date = dt.date.today().isoformat()
     paths = ReportPaths(args.out_dir, f"fidelity-{args.tag + '-' if args.tag else ''}{date}")
     log_dir = args.out_dir / f"{paths.stem}-logs"
@@ -646,11 +707,13 @@ def main(argv: list[str] | None = None) -> int:
         "passage_ids": [p.passage_id for p in passages],
         "full_greedy_continuations": {},
         "kvpress": kvpress and {k: v for k, v in kvpress.items() if k != "prompts"},
+        "kvpress_ruler": kvpress_ruler and {k: v for k, v in kvpress_ruler.items() if k != "prompts"},
         "kvpress_lm": kvpress_lm and kvpress_lm["path"],
         "systems": [],
     }
+    # Budget by budget, tightest first: a run cut short still compares every variant at its budgets.
     plan = [(FULL, FULL_FLAGS, None)] + [
-        (f"{variant}-{budget}", recipe(budget), budget) for variant, recipe in recipes.items() for budget in budgets
+        (f"{variant}-{budget}", recipe(budget), budget) for budget in budgets for variant, recipe in recipes.items()
     ]
     say(
         f"{len(prompts)} + {len(ruler_prompts)} prompts, {len(passages)} passages; {len(plan)} servers: "
@@ -658,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     done = resumable(paths, report) if args.resume else {}
     for name, flags, budget in plan:
-        if name in done:
+        if name in done and done[name]["flags"] == list(flags):
             say(f"[{name}] kept from {paths.json.name}")
             report["systems"].append(done[name])
             continue
@@ -666,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
             name,
             flags,
             shared,
-            prompts + ruler_prompts,
+            prompts_to_ask(report, prompts + ruler_prompts, args.all_prompts),
             passages,
             report["full_greedy_continuations"],
             budget,
@@ -674,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
             args.max_new_tokens,
         )
         report["systems"].append(system)
-        write_report(paths, report, kvpress, kvpress_lm)
+        write_report(paths, report, {"retrieval": kvpress, "ruler": kvpress_ruler, "lm": kvpress_lm})
         if name == FULL and system["error"] is not None:
             say("the full cache failed: nothing to compare with")
             break

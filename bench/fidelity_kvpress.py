@@ -4,11 +4,17 @@ Run with the kvpress environment (``bash scripts/setup-kvpress.sh`` creates it):
 
     .venv-kvpress/bin/python bench/fidelity_kvpress.py
 
-For every prompt of ``kvsparse_testbed.retrieval`` (passkey and needle-in-essays, chat-formatted
-with the model's template), it answers greedily with the full KV cache and with kvpress's
-SnapKVPress, PyramidKVPress and StreamingLLMPress (their default parameters) keeping each budget of
-tokens per layer. As in the project's server, the press compresses the cache of the *whole* prompt,
-question included, at the end of prefill; decoding then runs on the compressed cache.
+For every prompt of ``kvsparse_testbed.retrieval`` (passkey and needle-in-essays) and, with
+``--suites ruler``, of ``kvsparse_testbed.ruler`` (the harder RULER-style tasks, the same prompts
+``bench/fidelity.py --suites ruler`` asks), chat-formatted with the model's template, it answers
+greedily with the full KV cache and with kvpress's presses keeping each budget of tokens per
+layer (SnapKV, PyramidKV and StreamingLLM by default; TOVA, key-norm and Expected Attention by
+name, `PRESSES`): at their default parameters (``--methods``) and at any others
+(``--variant LABEL=METHOD:JSON``, repeatable, e.g.
+``snapkv.w16k15=snapkv:{"window_size": 16, "kernel_size": 15}``), so that a sweep reports
+kvpress's best per budget beside its defaults. As in the project's server, the press compresses
+the cache of the *whole* prompt, question included, at the end of prefill; decoding then runs on
+the compressed cache.
 
 One prefill serves every variant. A press never changes the prefill's own computation (kvpress
 compresses each layer's cache in a hook that runs after that layer's attention), so the hook here
@@ -17,13 +23,15 @@ cache. On the first prompt the result is checked against kvpress's normal ``with
 path (bit-identical caches, or the run stops).
 
 Writes ``bench/results/fidelity-kvpress-<date>.json`` (every answer) and ``.md`` (accuracy per
-method and budget over the prompts the full cache solves), rewritten after each prompt.
+variant and budget over the prompts the full cache solves, and the best variant per budget),
+rewritten after each prompt.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -34,22 +42,58 @@ from typing import Any
 
 import torch
 from common.report import ReportPaths, write_json
-from kvpress import PyramidKVPress, SnapKVPress, StreamingLLMPress
+from kvpress import ExpectedAttentionPress, KnormPress, PyramidKVPress, SnapKVPress, StreamingLLMPress, TOVAPress
 from kvpress.presses.base_press import BasePress
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from kvsparse_testbed import retrieval
+from kvsparse_testbed import retrieval, ruler
 from kvsparse_testbed.texts import essay_text
 from sglang_kvsparse.models import ModelUnavailableError, ensure_default_model
 
-METHODS: dict[str, Callable[[float], BasePress]] = {
-    "snapkv": lambda ratio: SnapKVPress(compression_ratio=ratio),
-    "pyramidkv": lambda ratio: PyramidKVPress(compression_ratio=ratio),
-    "streamingllm": lambda ratio: StreamingLLMPress(compression_ratio=ratio),
+#: The presses a run may name (`DEFAULT_METHODS` unless --methods says otherwise).
+PRESSES: dict[str, type[BasePress]] = {
+    "snapkv": SnapKVPress,
+    "pyramidkv": PyramidKVPress,
+    "streamingllm": StreamingLLMPress,
+    "tova": TOVAPress,
+    "knorm": KnormPress,
+    "expected_attention": ExpectedAttentionPress,
 }
+DEFAULT_METHODS = ("snapkv", "pyramidkv", "streamingllm")
+PressFactory = Callable[[float], BasePress]  # compression ratio -> press
 DEFAULT_BUDGETS = (256, 512, 1024, 2048)
-Variant = tuple[str, int]  # (method, budget)
+Variant = tuple[str, int]  # (method label, budget)
+Prompt = retrieval.RetrievalPrompt | ruler.RulerPrompt
+
+
+def press_factory(method: str, parameters: dict[str, Any] | None = None) -> PressFactory:
+    """The press `method` with these parameters (kvpress's defaults for the rest) at any ratio."""
+    press = PRESSES[method]
+    return lambda ratio: press(compression_ratio=ratio, **(parameters or {}))
+
+
+def parse_press_variant(text: str) -> tuple[str, PressFactory]:
+    """`LABEL=METHOD:JSON` -> (label, factory); ValueError naming what is wrong. The parameters
+    are checked by building the press once (kvpress rejects unknown or bad ones)."""
+    label, sep, spec = text.partition("=")
+    method, sep2, params = spec.partition(":")
+    if not (sep and sep2 and label):
+        raise ValueError(f"--variant {text!r}: expected LABEL=METHOD:JSON")
+    if method not in PRESSES:
+        raise ValueError(f"--variant {text!r}: unknown method {method!r}; choose from {list(PRESSES)}")
+    try:
+        parameters = json.loads(params)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--variant {text!r}: the parameters are not JSON ({exc})") from None
+    if not isinstance(parameters, dict):
+        raise ValueError(f"--variant {text!r}: the parameters must be a JSON object")
+    factory = press_factory(method, parameters)
+    try:
+        factory(0.5)
+    except (TypeError, ValueError, AssertionError) as exc:
+        raise ValueError(f"--variant {text!r}: {exc}") from None
+    return label, factory
 
 
 def compression_ratio(budget: int, prompt_tokens: int) -> float:
@@ -74,10 +118,14 @@ def prefill_fan_out(
 ) -> tuple[torch.Tensor, DynamicCache, dict[Variant, DynamicCache]]:
     """Prefill once; return the last logits, the full cache and one compressed cache per press.
 
-    ``press(model)`` would also call ``post_init_from_model`` and give each attention module the
-    model's ``rotary_emb``; the three presses used here need neither (both are for other presses),
-    and ``check_fan_out`` compares the result with that path.
+    As ``press(model)`` does, each press is initialised from the model and each attention module
+    given the model's ``rotary_emb`` (Expected Attention needs both); ``check_fan_out`` compares
+    the result with that path.
     """
+    for press in presses.values():
+        press.post_init_from_model(model)
+    for layer in model.model.layers:
+        layer.self_attn.rotary_emb = model.model.rotary_emb
     full = DynamicCache(config=model.config)
     caches = {variant: DynamicCache(config=model.config) for variant in presses}
 
@@ -135,14 +183,11 @@ def greedy(
 
 
 def check_fan_out(model: PreTrainedModel, ids: torch.Tensor, presses: dict[Variant, BasePress]) -> dict[str, Any]:
-    """Compare the fan-out's caches with kvpress's own path, one budget per method."""
+    """Compare the fan-out's caches with kvpress's own path, one budget per method label."""
     _, _, fanned = prefill_fan_out(model, ids, presses)
     checked: dict[str, Any] = {}
-    for method in METHODS:
-        variants = sorted(v for v in presses if v[0] == method)
-        if not variants:
-            continue
-        variant = variants[0]
+    for method in dict.fromkeys(label for label, _ in presses):
+        variant = min(v for v in presses if v[0] == method)
         reference = prefill_kvpress(model, ids, presses[variant])
         identical = all(
             torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
@@ -154,13 +199,23 @@ def check_fan_out(model: PreTrainedModel, ids: torch.Tensor, presses: dict[Varia
     return checked
 
 
+def press_parameters(press: BasePress) -> dict[str, Any]:
+    """The press's parameters but its ratio (nested presses by their class name)."""
+    return {
+        k: type(v).__name__ if isinstance(v, BasePress) else v
+        for k, v in asdict(press).items()
+        if k != "compression_ratio"
+    }
+
+
 def kept_per_layer(cache: DynamicCache) -> list[int]:
     """Tokens each layer holds right after prefill: what the press really kept (measured)."""
     return [layer.keys.shape[-2] for layer in cache.layers]
 
 
 def accuracy_rows(prompts: list[dict[str, Any]], methods: list[str], budgets: list[int]) -> list[dict[str, Any]]:
-    """Per suite (and all): full-cache rate, then per method and budget over the solved prompts."""
+    """Per suite (and all): full-cache rate, then per method and budget over the solved prompts,
+    and per budget the best method (`best`: its label and counts; ties go to the first listed)."""
     rows = []
     for suite in sorted({p["suite"] for p in prompts}) + ["all"]:
         mine = [p for p in prompts if suite in ("all", p["suite"])]
@@ -181,6 +236,14 @@ def accuracy_rows(prompts: list[dict[str, Any]], methods: list[str], budgets: li
                     "evaluated": len(runs),
                 }
             row["methods"][method] = per_budget
+        row["best"] = {
+            str(budget): max(
+                ({"method": m, **row["methods"][m][str(budget)]} for m in methods),
+                key=lambda cell: cell["correct"],
+                default=None,
+            )
+            for budget in budgets
+        }
         rows.append(row)
     return rows
 
@@ -194,12 +257,23 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Model {report['settings']['model_name']}, fp32, Hugging Face transformers "
         f"{report['settings']['transformers']} on the CPU, greedy, max "
-        f"{report['settings']['max_new_tokens']} new tokens. Budgets are tokens kept per layer "
+        f"{report['settings']['max_new_tokens']} new tokens ({report['settings']['ruler_max_new_tokens']} "
+        "for RULER-style prompts). Budgets are tokens kept per layer "
         "of the whole prompt (question included). Prompt tokens "
         f"{report['summary']['prompt_tokens_min']:,}–{report['summary']['prompt_tokens_max']:,}.",
         "",
         "Each cell: prompts answered correctly / prompts evaluated, over the prompts the full "
-        "cache answers correctly (a budget at or above a prompt's length is not evaluated).",
+        "cache answers correctly (a budget at or above a prompt's length is not evaluated). "
+        "With several presses, the last row is the best of them at each budget.",
+        "",
+        "| press | parameters (kvpress's defaults for the rest) |",
+        "|---|---|",
+        *(
+            f"| {label} | {parameters['method']} "
+            + ", ".join(f"{k}={v}" for k, v in parameters.items() if k != "method")
+            + " |"
+            for label, parameters in report["settings"]["press_parameters"].items()
+        ),
         "",
     ]
     for row in report["accuracy"]:
@@ -213,6 +287,10 @@ def markdown(report: dict[str, Any]) -> str:
         for method, per_budget in row["methods"].items():
             cells = [per_budget[str(b)] for b in budgets]
             lines.append(f"| {method} | " + " | ".join(f"{c['correct']}/{c['evaluated']}" for c in cells) + " |")
+        if len(row["methods"]) > 1:
+            best = [row["best"][str(b)] for b in budgets]
+            cells = [f"{c['correct']}/{c['evaluated']} ({c['method']})" for c in best]
+            lines.append("| **best of kvpress** | " + " | ".join(cells) + " |")
         lines.append("")
     lines += [
         "## Per prompt",
@@ -252,25 +330,47 @@ def write_report(paths: ReportPaths, report: dict[str, Any]) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model folder (default: the converted default model)")
-    parser.add_argument("--suites", default="passkey,needle")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--suites", default="passkey,needle", help="passkey, needle, ruler")
+    add_method_arguments(parser)
     parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)))
     parser.add_argument("--lengths", default=",".join(map(str, retrieval.DEFAULT_LENGTHS)))
     parser.add_argument("--depths", default=",".join(map(str, retrieval.DEFAULT_DEPTHS)))
+    parser.add_argument("--ruler-tasks", default=",".join(ruler.TASKS))
+    parser.add_argument("--ruler-lengths", default=",".join(map(str, ruler.DEFAULT_LENGTHS)))
+    parser.add_argument("--ruler-per-length", type=int, default=ruler.DEFAULT_PER_LENGTH)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=16, help=f"retrieval prompts ({ruler.MAX_NEW_TOKENS} for ruler ones)"
+    )
     # One thread: on a shared 2-core machine two threads made decoding ~15x slower (measured).
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--limit", type=int, help="only the first N prompts (a quick look)")
+    parser.add_argument(
+        "--all-prompts", action="store_true", help="also run the presses where the full cache answers wrong"
+    )
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--stem", help="report name (default fidelity-kvpress-<date>)")
     return parser.parse_args(argv)
 
 
-def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], list[int]]:
-    """Set torch's threads and quiet transformers; return the model folder and the checked
-    --methods and --budgets (exits with a one-line error: 1 without the model, 2 for bad input).
-    Shared with bench/fidelity_kvpress_lm.py."""
+def add_method_arguments(parser: argparse.ArgumentParser) -> None:
+    """--methods (kvpress's defaults) and --variant (other parameters); shared with the LM runner."""
+    parser.add_argument(
+        "--methods", default=",".join(DEFAULT_METHODS), help="presses at kvpress's defaults ('' for none)"
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=METHOD:JSON",
+        help='a press with these parameters, e.g. snapkv.w16k15=snapkv:{"window_size": 16, "kernel_size": 15}',
+    )
+
+
+def prepare_run(args: argparse.Namespace) -> tuple[Path, dict[str, PressFactory], list[int]]:
+    """Set torch's threads and quiet transformers; return the model folder, the presses of
+    --methods and --variant by label, and the checked --budgets (exits with a one-line error: 1
+    without the model, 2 for bad input). Shared with bench/fidelity_kvpress_lm.py."""
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -279,31 +379,58 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str], list[int]]:
     except ModelUnavailableError as exc:
         print(f"error: {exc}; run scripts/setup.sh first (it converts the model)", file=sys.stderr)
         raise SystemExit(1) from None
-    methods = args.methods.split(",")
-    unknown = [m for m in methods if m not in METHODS]
+    names = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in names if m not in PRESSES]
     if unknown:
-        print(f"error: unknown --methods {unknown}; choose from {list(METHODS)}", file=sys.stderr)
+        print(f"error: unknown --methods {unknown}; choose from {list(PRESSES)}", file=sys.stderr)
+        raise SystemExit(2)
+    methods = {m: press_factory(m) for m in names}
+    for text in args.variant:
+        try:
+            label, factory = parse_press_variant(text)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        if label in methods:
+            print(f"error: --variant label {label!r} is used twice", file=sys.stderr)
+            raise SystemExit(2)
+        methods[label] = factory
+    if not methods:
+        print("error: no method: give --methods or --variant", file=sys.stderr)
         raise SystemExit(2)
     return model_dir, methods, sorted(int(b) for b in args.budgets.split(","))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    model_dir, methods, budgets = prepare_run(args)
+def build_prompts(args: argparse.Namespace) -> list[Prompt]:
+    """The --suites' prompts, as `bench/fidelity.py` builds them (ValueError for an unknown suite)."""
     lengths = [int(n) for n in args.lengths.split(",")]
     depths = [float(d) for d in args.depths.split(",")]
-
-    prompts: list[retrieval.RetrievalPrompt] = []
+    prompts: list[Prompt] = []
     for suite in args.suites.split(","):
         if suite == "passkey":
             prompts += retrieval.passkey_prompts(args.seed, lengths, depths)
         elif suite == "needle":
             essays = essay_text(retrieval.min_essay_chars(lengths))
             prompts += retrieval.needle_prompts(essays, args.seed, lengths, depths)
+        elif suite == "ruler":
+            ruler_lengths = [int(n) for n in args.ruler_lengths.split(",")]
+            essays = essay_text(ruler.min_essay_chars(ruler_lengths))
+            prompts += ruler.ruler_prompts(
+                essays, args.seed, args.ruler_tasks.split(","), ruler_lengths, args.ruler_per_length
+            )
         else:
-            print(f"error: unknown suite {suite!r} (passkey, needle)", file=sys.stderr)
-            return 2
-    prompts = prompts[: args.limit] if args.limit else prompts
+            raise ValueError(f"unknown suite {suite!r} (passkey, needle, ruler)")
+    return prompts[: args.limit] if args.limit else prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir, methods, budgets = prepare_run(args)
+    try:
+        prompts = build_prompts(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -324,26 +451,33 @@ def main(argv: list[str] | None = None) -> int:
             "transformers": version("transformers"),
             "torch": torch.__version__,
             "press_parameters": {
-                m: {k: v for k, v in asdict(METHODS[m](0.0)).items() if k != "compression_ratio"} for m in methods
+                label: {"method": type(press).__name__, **press_parameters(press)}
+                for label, press in ((label, factory(0.0)) for label, factory in methods.items())
             },
             "budgets": budgets,
+            "suites": args.suites.split(","),
             "max_new_tokens": args.max_new_tokens,
+            "ruler_max_new_tokens": ruler.MAX_NEW_TOKENS,
             "seed": args.seed,
-            "lengths_target_tokens": lengths,
-            "depths": depths,
+            "lengths_target_tokens": [int(n) for n in args.lengths.split(",")],
+            "depths": [float(d) for d in args.depths.split(",")],
+            "ruler_tasks": args.ruler_tasks.split(","),
+            "ruler_lengths": [int(n) for n in args.ruler_lengths.split(",")],
+            "ruler_per_length": args.ruler_per_length,
+            "presses_on_prompts_the_full_cache_misses": args.all_prompts,
             "compression_ratio": "1 - (budget + 0.5) / prompt_tokens, whole prompt compressed",
         },
         "prompts": [],
     }
-    print(f"[fidelity-kvpress] {len(prompts)} prompts, methods {methods}, budgets {budgets}")
+    print(f"[fidelity-kvpress] {len(prompts)} prompts, methods {list(methods)}, budgets {budgets}")
     started = time.monotonic()
     for number, prompt in enumerate(prompts, 1):
         tick = time.monotonic()
         ids = chat_ids(tokenizer, prompt.user_message)
         n = ids.shape[1]
         presses = {
-            (method, budget): METHODS[method](compression_ratio(budget, n))
-            for method in methods
+            (method, budget): factory(compression_ratio(budget, n))
+            for method, factory in methods.items()
             for budget in budgets
             if budget < n
         }
@@ -354,15 +488,18 @@ def main(argv: list[str] | None = None) -> int:
         prefill_s = time.monotonic() - tick
         kept = {variant: kept_per_layer(cache) for variant, cache in caches.items()}
 
+        max_new_tokens = ruler.MAX_NEW_TOKENS if isinstance(prompt, ruler.RulerPrompt) else args.max_new_tokens
+
         def answer(cache: DynamicCache) -> dict[str, Any]:
-            tokens = greedy(model, first_logits, cache, n, args.max_new_tokens, stop_ids)
+            tokens = greedy(model, first_logits, cache, n, max_new_tokens, stop_ids)
             text = tokenizer.decode(tokens, skip_special_tokens=True)
-            return {"output": text, "correct": retrieval.is_correct(prompt.answer, text)}
+            return {"output": text, "correct": prompt.correct(text)}
 
         record = prompt.to_json()
         del record["user_message"]  # rebuilt from the seed; keeps the JSON readable
         record.update(prompt_tokens=n, full=answer(full), methods={m: {} for m in methods})
-        for (method, budget), cache in caches.items():
+        asked = caches if record["full"]["correct"] or args.all_prompts else {}  # only solved prompts count
+        for (method, budget), cache in asked.items():
             result = answer(cache)
             result.update(kept_min=min(kept[(method, budget)]), kept_max=max(kept[(method, budget)]))
             record["methods"][method][str(budget)] = result

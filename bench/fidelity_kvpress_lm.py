@@ -31,7 +31,7 @@ import torch
 from common.report import ReportPaths, write_json
 from fidelity_kvpress import (
     DEFAULT_BUDGETS,
-    METHODS,
+    add_method_arguments,
     check_fan_out,
     compression_ratio,
     greedy,
@@ -145,7 +145,7 @@ def markdown(report: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model folder (default: the converted default model)")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    add_method_arguments(parser)
     parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)))
     parser.add_argument("--context-lens", default=",".join(map(str, continuations.DEFAULT_CONTEXT_LENS)))
     parser.add_argument(
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             "kvpress": version("kvpress"),
             "transformers": version("transformers"),
             "torch": torch.__version__,
-            "methods": methods,
+            "methods": list(methods),
             "budgets": budgets,
             "context_lens": context_lens,
             "passages_per_len": args.passages,
@@ -186,12 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         },
         "passages": [],
     }
-    print(f"[kvpress-lm] {len(passages)} passages, methods {methods}, budgets {budgets}", flush=True)
+    print(f"[kvpress-lm] {len(passages)} passages, methods {list(methods)}, budgets {budgets}", flush=True)
     started = time.monotonic()
     for number, passage in enumerate(passages, 1):
         ids = torch.tensor([passage.context_ids])
         n = ids.shape[1]
-        presses = {(m, b): METHODS[m](compression_ratio(b, n)) for m in methods for b in budgets if b < n}
+        presses = {(m, b): press(compression_ratio(b, n)) for m, press in methods.items() for b in budgets if b < n}
         if number == 1:
             report["fan_out_check"] = check_fan_out(model, ids, presses)
         first_logits, full, caches = prefill_fan_out(model, ids, presses)

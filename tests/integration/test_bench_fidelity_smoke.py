@@ -37,6 +37,7 @@ def test_fidelity_runs_one_prompt_through_two_servers(tmp_path: Path) -> None:
             "1",
             "--lm-continuation",
             "32",
+            "--all-prompts",  # the sparse server answers whatever the full caches do
             "--out-dir",
             str(tmp_path),
         ],

@@ -95,11 +95,7 @@ def test_a_taken_port_is_detected_and_retried_on_fresh_ports(tmp_path: Path) -> 
 
 
 def test_a_custom_fidelity_variant_is_the_default_recipe_with_its_config() -> None:
-    sys.path.insert(0, str(BENCH))  # fidelity.py imports its siblings as `common.*`
-    try:
-        fidelity = _load("fidelity.py")
-    finally:
-        sys.path.remove(str(BENCH))
+    fidelity = _fidelity_module()
     label, recipe = fidelity.custom_variant('span.w16={"window": 16, "policy": "span"}')
     flags = recipe(128)
     assert label == "span.w16"
@@ -113,3 +109,73 @@ def test_a_custom_fidelity_variant_is_the_default_recipe_with_its_config() -> No
     ]:
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             fidelity.custom_variant(spec)
+
+
+def _fidelity_module() -> ModuleType:
+    sys.path.insert(0, str(BENCH))  # fidelity.py imports its siblings as `common.*`
+    try:
+        return _load("fidelity.py")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_kvpress_rows_count_prompts_both_full_caches_solve_and_name_the_best_press() -> None:
+    fidelity = _fidelity_module()
+
+    def answers(*correct: bool) -> dict:
+        return {f"p{i}": {"correct": c, "prompt_tokens": 3000} for i, c in enumerate(correct)}
+
+    report = {
+        "settings": {"budgets": [64, 128]},
+        "systems": [
+            {"name": "full", "budget": None, "error": None, "answers": answers(True, True, True, False)},
+            {"name": "span-64", "budget": 64, "error": None, "answers": answers(True, False, True, True)},
+            {"name": "span-128", "budget": 128, "error": None, "answers": answers(True, True, False, True)},
+        ],
+    }
+
+    def press(*correct: bool) -> dict:
+        return {"64": {"correct": correct[0]}, "128": {"correct": correct[1]}}
+
+    kvpress = {
+        "methods": ["snapkv", "snapkv.w16"],
+        "prompts": {
+            "p0": {
+                "full": {"correct": True},
+                "methods": {"snapkv": press(False, True), "snapkv.w16": press(True, True)},
+            },
+            "p1": {
+                "full": {"correct": True},
+                "methods": {"snapkv": press(True, True), "snapkv.w16": press(True, False)},
+            },
+            "p2": {
+                "full": {"correct": False},
+                "methods": {"snapkv": press(True, True), "snapkv.w16": press(True, True)},
+            },
+            "p3": {
+                "full": {"correct": True},
+                "methods": {"snapkv": press(True, True), "snapkv.w16": press(True, True)},
+            },
+        },
+    }
+    acc = fidelity.accuracy(report, kvpress, ["p0", "p1", "p2", "p3"])
+    assert acc["solved_by_both_full_caches"] == ["p0", "p1"]  # p2: kvpress's full misses, p3: ours
+    rows = acc["rows"]
+    assert rows["project span"] == {"64": {"correct": 1, "evaluated": 2}, "128": {"correct": 2, "evaluated": 2}}
+    assert rows["kvpress snapkv"] == {"64": {"correct": 1, "evaluated": 2}, "128": {"correct": 2, "evaluated": 2}}
+    assert rows["kvpress snapkv.w16"] == {"64": {"correct": 2, "evaluated": 2}, "128": {"correct": 1, "evaluated": 2}}
+    assert rows["kvpress best"] == {
+        "64": {"correct": 2, "evaluated": 2, "method": "snapkv.w16"},
+        "128": {"correct": 2, "evaluated": 2, "method": "snapkv"},
+    }
+    assert fidelity.cell_text(rows["kvpress best"]["64"]) == "2/2 (snapkv.w16)"
+
+
+def test_sparse_systems_are_asked_only_what_the_full_cache_answered() -> None:
+    fidelity = _fidelity_module()
+    prompts = [argparse.Namespace(prompt_id=pid) for pid in ("a", "b", "c")]
+    report = {"systems": []}
+    assert fidelity.prompts_to_ask(report, prompts, all_prompts=False) == prompts  # the full cache asks all
+    report["systems"].append({"name": "full", "answers": {"a": {"correct": True}, "b": {"correct": False}}})
+    assert [p.prompt_id for p in fidelity.prompts_to_ask(report, prompts, all_prompts=False)] == ["a"]
+    assert fidelity.prompts_to_ask(report, prompts, all_prompts=True) == prompts
