@@ -1,7 +1,8 @@
 """Servers shared by all end-to-end tests, started once and in parallel (a minute or two on 2 cores).
 
 - "project": the project's launcher with sparsity off;
-- "sparse": the project's launcher with sparse layers whose budgets cover every length (lossless);
+- "sparse": the project's launcher with sparse layers whose budgets cover every length (lossless),
+  with a context of `SPARSE_CONTEXT` tokens (a prompt near it is served in 9 chunks);
 - "evicting": sparse layers with a budget of 256 that really evict, in a KV pool small enough
   (`EVICTING_ARGS`) that concurrent requests force SGLang to retract;
 - "unchunked": the evicting server's settings without chunked prefill, with faults injected for
@@ -35,6 +36,9 @@ SPARSE_BASELINE_ARGS = ["--mem-fraction-static", str(CPU_SPARSE_MEM_FRACTION)]
 
 #: Sparse layers 2..29 with a budget of the whole context: nothing may change in the outputs.
 LOSSLESS_SPARSITY = ["--kvsparse-full-layers", "0,1", "--kvsparse-budget", "8192"]
+#: The lossless server's context (the model's is 8,192): its near-context prompt costs a third of
+#: the attention work of one at 8,192, and every other prompt it serves is shorter than 2,500.
+SPARSE_CONTEXT = 4608
 
 #: Budget 256 (evicting above 272 entries), in the KV bytes of 2,600 dense tokens: a heap of
 #: ~38,700 rows of two lanes. A ~3,000-token prompt fits (3,000 + 14 x 272 rows), and so does a
@@ -83,7 +87,10 @@ def servers(model_path, tmp_path_factory):
         ),
         "sparse": Server(
             "sparse",
-            [PYTHON, "-m", "sglang_kvsparse.launch_server", *COMMON_ARGS, *LOSSLESS_SPARSITY],
+            [
+                *(PYTHON, "-m", "sglang_kvsparse.launch_server", *COMMON_ARGS, *LOSSLESS_SPARSITY),
+                *("--context-length", str(SPARSE_CONTEXT)),
+            ],
             log_dir,
             server_env(),
         ),

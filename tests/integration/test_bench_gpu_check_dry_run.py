@@ -1,16 +1,16 @@
 """The lent GPU's one script (`bench/gpu_check.py`) runs end to end in its CPU dry-run mode, so it
 is known to work before a GPU is available: the decode path with evictions under the host-sync
-guard, the fixed-buffer (graph-replay) decode against the eager one, and the tensor-parallel
-serving step (the Llama-3.1-8B config shrunk to 4 layers and 2 KV heads with dummy weights and a
-placeholder tokenizer; stock SGLang and the sparse variant, each at `--tp-size 2`, started,
-measured at two concurrencies with SGLang's own client, stopped, and reported). The one-device
-serving step is the same code with `--tp-size 1`. Its kernel step is the kernel benchmark's dry
-run, which the kernel tier runs (`tests/kernels/test_bench_kernels_cpu.py`).
+guard, the fixed-buffer (graph-replay) decode against the eager one, and the serving step that
+the one lent GPU runs (the Llama-3.1-8B config shrunk to 4 layers and 2 KV heads with dummy
+weights and a placeholder tokenizer; stock SGLang and the sparse variant started, measured at two
+concurrencies with SGLang's own client, stopped, and reported). The `serving-tp2` step is the
+same code with `--tp-size 2` for both systems (skipped on one GPU); sparse servers at
+`--tp-size 2` are tested in `test_parallel_serving.py`. Its kernel step is the kernel benchmark's
+dry run, which the kernel tier runs (`tests/kernels/test_bench_kernels_cpu.py`).
 
 No speed is asserted (the numbers are the benchmark's output, not a target); only that every
 step passed, every system produced rows with positive throughput in the JSON, the markdown and
-the plot, and that no server process outlived the run. About three minutes: two server starts
-of two ranks each.
+the plot, and that no server process outlived the run. About three minutes: two server starts.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def test_gpu_check_dry_run_passes_every_step_and_reports_every_system(tmp_path: 
             str(ROOT / "bench" / "gpu_check.py"),
             "--dry-run",
             "--steps",
-            "no-sync,graph,serving-tp2",
+            "no-sync,graph,serving",
             "--out-dir",
             str(tmp_path),
         ],
@@ -48,15 +48,15 @@ def test_gpu_check_dry_run_passes_every_step_and_reports_every_system(tmp_path: 
 
     [check_file] = tmp_path.glob("gpu-check-*-dry-run.json")
     check = json.loads(check_file.read_text())
-    assert check["device"] == "CPU (dry run)" and list(check["steps"]) == ["no-sync", "graph", "serving-tp2"]
+    assert check["device"] == "CPU (dry run)" and list(check["steps"]) == ["no-sync", "graph", "serving"]
     assert all(step["ok"] for step in check["steps"].values())
     assert check["steps"]["no-sync"]["steps_with_evictions"] > 10
     assert check["steps"]["graph"]["max_abs_difference"] <= 1e-4
     assert "| graph | yes |" in check_file.with_suffix(".md").read_text()
 
-    [report_file] = tmp_path.glob("gpu-check-serving-tp2-dry-run-*.json")
+    [report_file] = tmp_path.glob("gpu-check-serving-dry-run-*.json")
     report = json.loads(report_file.read_text())
-    assert "--tp-size 2" in " ".join(report["settings"]["server_args"])
+    assert "--tp-size" not in " ".join(report["settings"]["server_args"])
     systems = {system["name"]: system for system in report["systems"]}
     assert set(systems) == {"stock", "project-b1024"}
     for system in systems.values():
