@@ -200,12 +200,8 @@ def check_fan_out(model: PreTrainedModel, ids: torch.Tensor, presses: dict[Varia
 
 
 def press_parameters(press: BasePress) -> dict[str, Any]:
-    """The press's parameters but its ratio (nested presses by their class name)."""
-    return {
-        k: type(v).__name__ if isinstance(v, BasePress) else v
-        for k, v in asdict(press).items()
-        if k != "compression_ratio"
-    }
+    """The press's parameters but its ratio."""
+    return {k: v for k, v in asdict(press).items() if k != "compression_ratio"}
 
 
 def kept_per_layer(cache: DynamicCache) -> list[int]:
