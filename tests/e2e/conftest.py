@@ -1,4 +1,5 @@
-"""Servers shared by all end-to-end tests, started once and in parallel (a minute or two on 2 cores).
+"""Servers shared by the end-to-end tests, started once and in parallel (a minute or two on 2 cores):
+only those the collected tests ask for (CI's tier needs four; `make test-extended` the others).
 
 - "project": the project's launcher with sparsity off;
 - "sparse": the project's launcher with sparse layers whose budgets cover every length (lossless),
@@ -70,44 +71,46 @@ def model_path() -> str:
     return str(ensure_default_model())
 
 
+#: Each server's fixture, by the server's name.
+SERVER_FIXTURES = {
+    "project": "project_server",
+    "sparse": "sparse_server",
+    "evicting": "evicting_server",
+    "unchunked": "unchunked_server",
+    "stock": "stock_server",
+}
+
+
+def servers_asked_for(items: list[pytest.Item]) -> set[str]:
+    """The servers whose fixtures these tests use (directly or through other fixtures)."""
+    used = {name for item in items for name in getattr(item, "fixturenames", ())}
+    return {server for server, fixture in SERVER_FIXTURES.items() if fixture in used}
+
+
 @pytest.fixture(scope="session")
-def servers(model_path, tmp_path_factory):
+def servers(request, model_path, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("server-logs")
     stock_env = server_env()
     stock_args = ["--model-path", model_path, *COMMON_ARGS, *SPARSE_BASELINE_ARGS]
     if not gpu_available():
         stock_env["SGLANG_USE_CPU_ENGINE"] = "1"
         stock_args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
-    started = {
-        "project": Server(
-            "project",
-            [PYTHON, "-m", "sglang_kvsparse.launch_server", *COMMON_ARGS, "--kvsparse-preset", "off"],
-            log_dir,
+    launcher = [PYTHON, "-m", "sglang_kvsparse.launch_server"]
+    commands = {
+        "project": ([*launcher, *COMMON_ARGS, "--kvsparse-preset", "off"], server_env()),
+        "sparse": (
+            [*launcher, *COMMON_ARGS, *LOSSLESS_SPARSITY, "--context-length", str(SPARSE_CONTEXT)],
             server_env(),
         ),
-        "sparse": Server(
-            "sparse",
-            [
-                *(PYTHON, "-m", "sglang_kvsparse.launch_server", *COMMON_ARGS, *LOSSLESS_SPARSITY),
-                *("--context-length", str(SPARSE_CONTEXT)),
-            ],
-            log_dir,
-            server_env(),
-        ),
-        "evicting": Server(
-            "evicting",
-            [PYTHON, "-m", "sglang_kvsparse.launch_server", *EVICTING_ARGS, *CHUNK_ARGS],
-            log_dir,
-            {**server_env(), **RETRACTING_ENV},
-        ),
-        "unchunked": Server(
-            "unchunked",
-            [PYTHON, "-m", "sglang_kvsparse.launch_server", *EVICTING_ARGS, "--chunked-prefill-size", "-1"],
-            log_dir,
+        "evicting": ([*launcher, *EVICTING_ARGS, *CHUNK_ARGS], {**server_env(), **RETRACTING_ENV}),
+        "unchunked": (
+            [*launcher, *EVICTING_ARGS, "--chunked-prefill-size", "-1"],
             {**server_env(), **FAULT_INJECTION},
         ),
-        "stock": Server("stock", [PYTHON, "-m", "sglang.launch_server", *stock_args], log_dir, stock_env),
+        "stock": ([PYTHON, "-m", "sglang.launch_server", *stock_args], stock_env),
     }
+    wanted = servers_asked_for(request.session.items)
+    started = {name: Server(name, argv, log_dir, env) for name, (argv, env) in commands.items() if name in wanted}
     try:
         for server in started.values():
             server.wait_ready()

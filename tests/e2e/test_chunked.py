@@ -48,10 +48,10 @@ def test_prompts_whose_last_chunk_is_moved_match_stock(sparse_server, stock_serv
     assert_every_slot_back(sparse_server.idle_stats())
 
 
-def test_chunked_and_unchunked_prompts_keep_the_same_entries(servers):
+def test_chunked_and_unchunked_prompts_keep_the_same_entries(evicting_server, unchunked_server):
     """Budget 256, retrieval prompts of ~2,100 tokens (5 chunks), one at a time on each server:
     the chunked server scores every key with the last chunk's window, as the unchunked one does."""
-    chunked, unchunked = servers["evicting"], servers["unchunked"]
+    chunked, unchunked = evicting_server, unchunked_server
     prompts = [p.user_message for p in passkey_prompts(seed=7, lengths=(2_100,), depths=(0.3, 0.7))]
     for server in (chunked, unchunked):
         server.flush_cache()
@@ -81,7 +81,7 @@ def test_a_prompt_near_the_context_is_served_in_chunks(sparse_server):
 def test_each_turn_of_a_conversation_reuses_the_previous_prompt(evicting_server):
     """Four turns through the OpenAI endpoint on the evicting server (budget 256: every turn
     evicts): turn k's cached tokens are at least turn k-1's prompt tokens. Each new message is
-    longer than the observation window (32 tokens), which a prefill must compute itself."""
+    longer than the observation window (16 tokens), which a prefill must compute itself."""
     evicting_server.flush_cache()
     messages = [{"role": "user", "content": long_prompt(4000)}]
     questions = [

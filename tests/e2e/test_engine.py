@@ -13,7 +13,7 @@ import pytest
 from .prompts import SHORT_PROMPTS
 from .servers import server_env
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.extended]
 
 MAX_NEW_TOKENS = 16
 

@@ -21,11 +21,11 @@ pytestmark = pytest.mark.e2e
 EVICT_PAGE = 16  # SparsityConfig.evict_page default
 
 
-def test_sparse_layers_hold_at_most_budget_plus_a_page_while_decoding(servers):
+def test_sparse_layers_hold_at_most_budget_plus_a_page_while_decoding(unchunked_server):
     """On the evicting server's settings without chunked prefill: a chunked ~3,000-token prompt
     would hold its earlier chunks' sparse K/V (42,000 rows) until its last chunk, more than this
     small heap has, so the chunked server refuses it up front."""
-    evicting_server = servers["unchunked"]
+    evicting_server = unchunked_server
     payload = {
         "text": long_prompt(13000),
         "sampling_params": {"max_new_tokens": 80, "temperature": 0, "ignore_eos": True},
@@ -82,8 +82,10 @@ def test_retractions_forced_by_a_small_heap_return_every_slot(evicting_server):
 
 
 def test_aborted_stream_returns_every_slot(evicting_server):
-    stats = evicting_server.abort_mid_stream(long_prompt(4000), chunks=EVICTING_BUDGET)  # has evicted
-    assert stats["requests_running"] == 1
+    """A ~900-token prompt (compressed to the budget at prefill) aborted after two decode evictions."""
+    evictions_before = evicting_server.stats()["evictions"]
+    stats = evicting_server.abort_mid_stream(long_prompt(4000), chunks=3 * EVICT_PAGE)
+    assert stats["requests_running"] == 1 and stats["evictions"] - evictions_before >= 2
     assert_at_rest(evicting_server)
 
 

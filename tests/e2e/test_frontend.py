@@ -12,8 +12,8 @@ def capital_quiz(s, country):
     s += sgl.assistant(sgl.gen("answer", max_tokens=12, temperature=0))
 
 
-def test_frontend_program(project_server):
-    backend = sgl.RuntimeEndpoint(project_server.url)
+def test_frontend_program(sparse_server):
+    backend = sgl.RuntimeEndpoint(sparse_server.url)
     state = capital_quiz.run(country="France", backend=backend)
     assert "Paris" in state["answer"]
     states = capital_quiz.run_batch([{"country": "France"}, {"country": "Italy"}], backend=backend)

@@ -4,7 +4,7 @@ import pytest
 
 from .prompts import comparison_prompts
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.extended]
 
 MAX_NEW_TOKENS = 32
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.e2e
 
 MAX_NEW_TOKENS = 24
 PREFIX = long_prompt(7000)
-SUFFIXES = ["\nIn one sentence:", "\nThe three key ideas are:", "\nA title for it:", "\nWho wrote it?"]
+SUFFIXES = ["\nIn one sentence:", "\nThe three key ideas are:", "\nA title for it:"]
 
 
 def _served_fresh(server, prompts: list[str]) -> list[list[int]]:
@@ -36,23 +36,13 @@ def _served_fresh(server, prompts: list[str]) -> list[list[int]]:
     return fresh
 
 
-def test_prefix_hits_do_not_change_outputs(evicting_server):
-    server = evicting_server
-    fresh = _served_fresh(server, [PREFIX + SUFFIXES[0], PREFIX + SUFFIXES[1]])
-    first = server.generate(PREFIX + SUFFIXES[0], MAX_NEW_TOKENS)
-    repeated = server.generate(PREFIX + SUFFIXES[0], MAX_NEW_TOKENS)
-    shared = server.generate(PREFIX + SUFFIXES[1], MAX_NEW_TOKENS)
-    assert first["output_ids"] == repeated["output_ids"] == fresh[0]
-    assert shared["output_ids"] == fresh[1]
-    cached = [result["meta_info"]["cached_tokens"] for result in (repeated, shared)]
-    assert all(tokens > 1000 for tokens in cached), cached
-
-
-def test_every_shared_prefix_hit_matches_its_fresh_output(evicting_server):
+def test_every_prefix_hit_matches_its_fresh_output(evicting_server):
+    """The prefix cached alone, then prompts sharing it and one of them again (a whole-prompt hit):
+    each output is the one it gets served fresh."""
     prompts = [PREFIX + suffix for suffix in SUFFIXES]
     fresh = _served_fresh(evicting_server, prompts)
     evicting_server.generate(PREFIX, 1)  # caches the prefix
-    for prompt, expected in zip(prompts, fresh):
+    for prompt, expected in [*zip(prompts, fresh), (prompts[0], fresh[0])]:
         result = evicting_server.generate(prompt, MAX_NEW_TOKENS)
         assert result["meta_info"]["cached_tokens"] > 1000
         assert result["output_ids"] == expected, prompt[-30:]

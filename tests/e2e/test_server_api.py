@@ -1,4 +1,4 @@
-"""The project's server answers SGLang's native and OpenAI-compatible endpoints."""
+"""The project's server (lossless sparse layers) answers SGLang's native and OpenAI-compatible endpoints."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def _chat(server, stream: bool) -> requests.Response:
     )
 
 
-def test_chat_completion_answers(project_server):
-    response = _chat(project_server, stream=False)
+def test_chat_completion_answers(sparse_server):
+    response = _chat(sparse_server, stream=False)
     response.raise_for_status()
     body = response.json()
     answer = body["choices"][0]["message"]["content"]
@@ -30,9 +30,9 @@ def test_chat_completion_answers(project_server):
     assert body["usage"]["completion_tokens"] > 0
 
 
-def test_chat_completion_streams_the_same_answer(project_server):
-    expected = _chat(project_server, stream=False).json()["choices"][0]["message"]["content"]
-    response = _chat(project_server, stream=True)
+def test_chat_completion_streams_the_same_answer(sparse_server):
+    expected = _chat(sparse_server, stream=False).json()["choices"][0]["message"]["content"]
+    response = _chat(sparse_server, stream=True)
     response.raise_for_status()
     pieces = []
     for line in response.iter_lines(decode_unicode=True):
@@ -44,7 +44,7 @@ def test_chat_completion_streams_the_same_answer(project_server):
     assert "".join(pieces) == expected
 
 
-def test_generate_endpoint(project_server):
-    body = project_server.generate("The capital of France is", max_new_tokens=8)
+def test_generate_endpoint(sparse_server):
+    body = sparse_server.generate("The capital of France is", max_new_tokens=8)
     assert "Paris" in body["text"]
     assert body["meta_info"]["completion_tokens"] == len(body["output_ids"]) > 0

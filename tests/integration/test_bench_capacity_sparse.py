@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.e2e
+@pytest.mark.extended
 def test_sparse_server_runs_three_times_the_requests_of_stock(tmp_path: Path) -> None:
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "capacity.py"), "--profile", "sparse-2k", "--out-dir", str(tmp_path)],

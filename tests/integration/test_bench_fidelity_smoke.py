@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.e2e
+@pytest.mark.extended
 def test_fidelity_runs_one_prompt_through_two_servers(tmp_path: Path) -> None:
     run = subprocess.run(
         [

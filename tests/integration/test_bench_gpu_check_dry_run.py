@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.e2e
+@pytest.mark.extended
 def test_gpu_check_dry_run_passes_every_step_and_reports_every_system(tmp_path: Path) -> None:
     run = subprocess.run(
         [

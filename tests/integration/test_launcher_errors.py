@@ -44,7 +44,7 @@ def test_port_in_use():
     ("args", "expected"),
     [
         (["--kvsparse-full-layers", "40"], "--kvsparse-full-layers: layer 40 is outside the model"),
-        (["--kvsparse-budget", "20"], "--kvsparse-budget: 20 is smaller than sink + window"),
+        (["--kvsparse-budget", "16"], "--kvsparse-budget: 16 is smaller than sink + window"),
         (["--kvsparse-config", '{"policy": "nope"}'], "unknown policy"),
         (["--kvsparse-preset", "off", "--kvsparse-budget", "512"], "has no effect while sparsity is off"),
         (["--pp-size", "2"], "--pp-size 2: pipeline parallelism would split a column of sparse layers"),

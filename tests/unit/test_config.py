@@ -113,8 +113,8 @@ def test_all_layers_full_is_allowed():
     "kwargs, expected",
     [
         ({"full_layers": "0,40"}, "--kvsparse-full-layers: layer 40 is outside the model (30 layers: 0..29)"),
-        ({"budget": 20}, "--kvsparse-budget: 20 is smaller than sink + window (4 + 32)"),
-        ({"json_or_path": '{"budget": 20}'}, "--kvsparse-config budget: 20 is smaller than sink + window (4 + 32)"),
+        ({"budget": 16}, "--kvsparse-budget: 16 is smaller than sink + window (4 + 16)"),
+        ({"json_or_path": '{"budget": 16}'}, "--kvsparse-config budget: 16 is smaller than sink + window (4 + 16)"),
         ({"json_or_path": '{"policy": "foo"}'}, "--kvsparse-config policy: unknown policy 'foo' (known: "),
         (
             {"json_or_path": '{"policy": {"name": "snapkv", "pool_kernel": 4}}'},
@@ -210,6 +210,7 @@ def test_round_trip_of_pyramid_and_list():
 def test_known_policies_and_describe():
     assert {"snapkv", "streamingllm", "keynorm"} <= set(POLICIES)
     assert parse_config('{"policy": "streamingllm"}').policy == StreamingLLMPolicy()
-    assert "snapkv (pool_kind max, pool_kernel 15)" in PRESETS["default"].describe()
+    assert "snapkv (pool_kind max, pool_kernel 15)" in PRESETS["snapkv"].describe()
+    assert "span (pool_kind max, pool_kernel 7, follow 16)" in PRESETS["default"].describe()
     assert "pyramid" in PRESETS["pyramidkv"].describe()
     assert "64..256" in SparsityConfig(full_layers=(0,), budget=(64, 256)).describe()
