@@ -102,7 +102,7 @@ def _pool_mean(scores: torch.Tensor, kv_indptr: torch.Tensor, radius: int) -> to
 def select_kept(
     scores: torch.Tensor,
     kv_indptr: torch.Tensor,
-    budget: int,
+    budget: int | torch.Tensor,
     sink: int,
     window: int,
     max_len: int | None = None,
@@ -112,35 +112,46 @@ def select_kept(
     Args:
         scores: [total_kv, H_kv] (pooled) scores aligned with the requests' keys.
         kv_indptr: [B+1] request boundaries in ``scores``.
-        budget: entries kept per request and head when the request is longer than the budget.
+        budget: entries kept per request and head when the request is longer than its budget:
+            one for every request, or each request's own ([B] int64, on the host).
         sink, window: the first ``sink`` and last ``window`` positions are always kept;
-            ``sink + window`` must not exceed ``budget``.
+            ``sink + window`` must not exceed any budget.
         max_len: the longest request's length when the caller knows it (the decode step's
             eviction does); otherwise it is read from ``kv_indptr``, which waits on the device.
 
     Returns:
         ``(kept, kept_lens)``: kept [B, H_kv, budget_eff] int64 positions (0-based within the
-        request, ascending per head, padded with -1), budget_eff = min(budget, longest request);
-        kept_lens [B] int64 = min(budget, length). A request no longer than the budget keeps all.
+        request, ascending per head, padded with -1), budget_eff = min(largest budget, longest
+        request); kept_lens [B] int64 = min(budget, length). A request no longer than its budget
+        keeps all.
     """
-    if budget < 1 or sink < 0 or window < 0:
-        raise ValueError(f"need budget >= 1, sink >= 0, window >= 0; got {budget}, {sink}, {window}")
-    if sink + window > budget:
-        raise ValueError(f"sink ({sink}) + window ({window}) exceeds the budget ({budget})")
     device = scores.device
     total, heads = scores.shape
     lens = segment_lengths(kv_indptr)
     batch = lens.numel()
-    kept_lens = lens.clamp(max=budget)
+    if isinstance(budget, int):  # no host tensor: the decode step's eviction queues without a sync
+        smallest = largest = budget
+        budgets: int | torch.Tensor = budget
+    else:
+        if budget.numel() != batch:
+            raise ValueError(f"{budget.numel()} budgets for {batch} requests")
+        smallest, largest = (int(budget.min()), int(budget.max())) if batch else (1, 1)
+        budgets = budget.to(device)
+    if smallest < 1 or sink < 0 or window < 0:
+        raise ValueError(f"need budget >= 1, sink >= 0, window >= 0; got {smallest}, {sink}, {window}")
+    if sink + window > smallest:
+        raise ValueError(f"sink ({sink}) + window ({window}) exceeds the budget ({smallest})")
+    kept_lens = lens.clamp(max=budgets) if isinstance(budgets, int) else torch.minimum(lens, budgets)
     if max_len is None:
         max_len = int(lens.max().item()) if batch else 0
-    keep = min(budget, max_len)
+    keep = min(largest, max_len)
     if keep == 0:
         return torch.empty(batch, heads, 0, dtype=torch.int64, device=device), kept_lens
     seg = segment_ids(kv_indptr, total)
     pos = positions_in_segment(kv_indptr, total)
     length = lens[seg]
-    protected = (pos < sink) | (pos >= length - window) | (length <= budget)
+    own = budgets if isinstance(budgets, int) else budgets[seg]
+    protected = (pos < sink) | (pos >= length - window) | (length <= own)
     # Rank: protected first (+inf), then by score; padding of short requests last (-inf).
     rank = torch.full((batch, max_len, heads), float("-inf"), dtype=torch.float32, device=device)
     rank[seg, pos] = torch.where(protected[:, None], float("inf"), scores.float())

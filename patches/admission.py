@@ -17,7 +17,8 @@ A fault in this per-request work fails the request alone (`patches/faults.py`).
 
 AFTER `ReqToTokenPool.alloc` (`expect_rows`): when SGLang gives admitted requests their rows, the
 state learns how long each may grow, so that only requests that will evict get score rows,
-and how long its prefill is, so that a shorter allocation is known to be a chunk.
+how long its prefill is, so that a shorter allocation is known to be a chunk, and the request's
+own sparsity setting (`custom_params`, `request_sparsity.py`), which every charge above uses too.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResult
 
 from sglang_kvsparse.admission import AdmissionRound, running_growth
+from sglang_kvsparse.request_sparsity import RequestSparsity, parse_request
 
 from . import context, faults
 
@@ -57,7 +59,13 @@ def expect_rows(result: Any, pool: Any, reqs: Any, *args: Any, **kwargs: Any) ->
         [r.kv.req_pool_idx for r in reqs],
         [final_len(r, context_len, clip=context_len) for r in reqs],
         [fill_len(r) for r in reqs],
+        [setting(r) for r in reqs],
     )
+
+
+def setting(req: Any) -> RequestSparsity:
+    """The request's own sparsity setting (checked in the HTTP process: `validation.py`)."""
+    return parse_request(req.sampling_params.custom_params, context.state().resolved)
 
 
 def fill_len(req: Any) -> int:
@@ -70,9 +78,10 @@ def charging(adder: Any, req: Any) -> Iterator[None]:
     """While SGLang sizes a prefill of `req`, the allocator's reserve includes its sparse rows."""
     state = context.state()
     fill, final = fill_len(req), final_len(req, state.resolved.context_len)
+    budget = setting(req).row_budget(state.resolved)
 
     def charge(end: int) -> int:
-        return state.prefill_charge(req.prefix_len, end, fill, final)
+        return state.prefill_charge(req.prefix_len, end, fill, final, budget)
 
     allocator = adder.token_to_kv_pool_allocator
     allocator.kvsparse_charge = charge

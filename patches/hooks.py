@@ -33,6 +33,8 @@ FLOOR_CHUNK = "sglang.srt.managers.schedule_policy.PrefillAdder.floor_chunked_to
 #: in SGLang's default tree and in its plain radix tree.
 UNIFIED_INSERT = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.insert"
 RADIX_INSERT = "sglang.srt.mem_cache.radix_cache.RadixCache.insert"
+#: AFTER: a request's own sparsity setting is checked before it is queued (`validation.make_check_setting`).
+CREATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object"
 #: AFTER: the scheduler's internal state carries the sparse stats (`observability.add_stats`).
 INTERNAL_STATE = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
@@ -53,6 +55,7 @@ ALL: tuple[str, ...] = (
     FLOOR_CHUNK,
     UNIFIED_INSERT,
     RADIX_INSERT,
+    CREATE_REQUEST,
     INTERNAL_STATE,
     LOG_STATS,
 )

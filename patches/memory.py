@@ -144,6 +144,7 @@ def make_attach_state(config: SparsityConfig):
         runner.req_to_token_pool.attach_aux_cache(state)
         context.install(state)
         log_layout(config, state.layout, lanes[0], rows, resolved.context_len)
+        print(f"[sglang-kvsparse] {state.describe_tables()}", file=sys.stderr, flush=True)
 
     return attach_state
 
@@ -183,9 +184,10 @@ def log_layout(config: SparsityConfig, layout: HeapLayout, lane: LaneBuffers, ro
 
 
 def check_heap(layout: HeapLayout, rows: int) -> None:
-    """Refuse a KV budget in which no request can outgrow its budget."""
-    longest = max((group.max_entries for group in layout.groups), default=0) + 1
-    need = layout.rows_held(longest) + layout.page_size
+    """Refuse a KV budget in which no request can outgrow its budget, the server's or the
+    largest one a request may ask for."""
+    longest = max((layout.widest_row(group) for group in layout.groups), default=0) + 1
+    need = max(layout.rows_held(longest), layout.rows_held(longest, layout.request_cap)) + layout.page_size
     if rows < need:
         raise KVSparseStartupError(
             f"kvsparse: the KV heap has {rows} rows, fewer than one {longest}-token request's {need}: "

@@ -38,7 +38,7 @@ def load() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from . import admission, attention, chunking, memory, observability, prefix
+    from . import admission, attention, chunking, memory, observability, prefix, validation
 
     attention.install()
     registrations = [
@@ -53,6 +53,7 @@ def load() -> None:
         (hooks.FLOOR_CHUNK, chunking.fit_floor, HookType.AROUND),
         (hooks.UNIFIED_INSERT, prefix.adopt_duplicates, HookType.AROUND),
         (hooks.RADIX_INSERT, prefix.adopt_duplicates, HookType.AROUND),
+        (hooks.CREATE_REQUEST, validation.make_check_setting(config), HookType.AFTER),
         (hooks.INTERNAL_STATE, observability.add_stats, HookType.AFTER),
         (hooks.LOG_STATS, observability.set_gauges, HookType.AFTER),
     ]

@@ -5,9 +5,9 @@ may still decode. In the one KV heap its full-pool ids and the sparse entries dr
 rows, so SGLang's own budget does the whole check once it is told about the sparse entries
 (`patches/admission.py`, `patches/allocator.py`):
 
-* a new request is charged, on top of SGLang's charge, the most sparse rows it can hold:
-  `SparseState.rows_to_hold(final length)`, final length = prompt + its (clipped) max_new_tokens,
-  exactly as SGLang charges its full-pool tokens;
+* a new request is charged, on top of SGLang's charge, the most sparse rows it can hold at its
+  own budget: `SparseState.rows_to_hold(final length, budget)`, final length = prompt + its
+  (clipped) max_new_tokens, exactly as SGLang charges its full-pool tokens;
 * a running request is charged what its sparse rows may still grow by, scaled by SGLang's
   `new_token_ratio` as SGLang scales its remaining tokens, so a request no longer than the budget
   (every layer keeps every token) is charged exactly what stock SGLang charges it;
@@ -37,7 +37,8 @@ SHARED_PREFIX_WAIT_TOKENS = 256
 def running_growth(state: SparseState, running: Iterable[tuple[int, int, float]]) -> float:
     """Sparse rows the running requests (row, final length, SGLang's ratio for it) may still take."""
     return sum(
-        ratio * max(state.rows_to_hold(final_len) - state.rows_held(row), 0) for row, final_len, ratio in running
+        ratio * max(state.row_rows_to_hold(row, final_len) - state.rows_held(row), 0)
+        for row, final_len, ratio in running
     )
 
 

@@ -3,11 +3,11 @@
 A captured graph replays the same kernels on the same tensors, so everything a sparse layer reads
 must live in buffers allocated before capture and be updated in place before each replay. Per
 group of sparse columns, `DecodeBuffers` holds the decode tables (`planning.DecodeTables`) of up
-to `max_bs` requests at the group's widest row (`max_entries`). Before a replay, the step's plan
-is built as for an eager step (`planning.plan_decode`), its evictions run
-(`sparse_attention.evict_planned`: their shapes vary, so they stay outside the graph), and `fill`
-copies its tables into the buffers; rows of the captured batch past the real ones get no keys
-(a zero output) and store their token in the padding row. No SGLang imports.
+to `max_bs` requests at the group's widest row (at the largest budget a request may ask for).
+Before a replay, the step's plan is built as for an eager step (`planning.plan_decode`), its
+evictions run (`sparse_attention.evict_planned`: their shapes vary, so they stay outside the
+graph), and `fill` copies its tables into the buffers; rows of the captured batch past the real
+ones get no keys (a zero output) and store their token in the padding row. No SGLang imports.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ class DecodeBuffers:
             raise ValueError(f"max_bs must be positive, got {max_bs}")
         self.max_bs = max_bs
         self.sink, self.window = state.config.sink, state.config.window
-        self.budgets = [group.spec.budget for group in state.groups]
-        self.tables = tuple(self._empty(group.spec.max_entries, group.columns, device) for group in state.groups)
+        self.tables = tuple(self._empty(group.table.max_entries, group.columns, device) for group in state.groups)
 
     def _empty(self, width: int, columns: int, device: torch.device | str) -> DecodeTables:
         def zeros(*shape: int) -> torch.Tensor:
@@ -47,8 +46,7 @@ class DecodeBuffers:
         if not 0 < bs <= self.max_bs:
             raise ValueError(f"a captured batch of {bs} requests: must be in 1..{self.max_bs}")
         columns = tuple(
-            tuple(_rows(tables, bs).column(c, budget) for c in range(tables.entries.shape[2]))
-            for tables, budget in zip(self.tables, self.budgets)
+            tuple(_rows(tables, bs).column(c) for c in range(tables.entries.shape[2])) for tables in self.tables
         )
         qo_indptr = torch.arange(bs + 1, dtype=torch.int32, device=self.tables[0].lengths.device)
         return ForwardPlan(qo_indptr, columns, self.sink, self.window)

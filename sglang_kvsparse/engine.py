@@ -1,9 +1,10 @@
 """In-process engine with the plugin active: `sglang_kvsparse.Engine(**kwargs)`.
 
 It takes every `sglang.Engine` keyword argument, plus `kvsparse_config`, `kvsparse_preset`,
-`kvsparse_full_layers`, `kvsparse_budget` and `kvsparse_window` (as the launcher's options), and
-applies the launcher's defaults: the embedded model when no `model_path` is given, and on a
-machine with no GPU the CPU engine, torch-native attention and a bounded KV pool.
+`kvsparse_full_layers`, `kvsparse_budget`, `kvsparse_window` and `kvsparse_max_request_budget` (as
+the launcher's options), and applies the launcher's defaults: the embedded model when no
+`model_path` is given, and on a machine with no GPU the CPU engine, torch-native attention and a
+bounded KV pool.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from sglang_kvsparse.models import ensure_default_model
 from sglang_kvsparse.options import (
+    SPARSITY_OPTIONS,
     check_model,
     export_to_processes,
     sparse_sglang_defaults,
@@ -28,18 +30,10 @@ from sglang_kvsparse.serving_defaults import (
 
 logger = logging.getLogger(__name__)
 
-_SPARSITY_KWARGS = (
-    "kvsparse_config",
-    "kvsparse_preset",
-    "kvsparse_full_layers",
-    "kvsparse_budget",
-    "kvsparse_window",
-)
-
 
 def Engine(**kwargs: Any):  # noqa: N802 - named like the sglang.Engine it returns
     """Return a `sglang.Engine` with the kvsparse plugin configured for it."""
-    sparsity = argparse.Namespace(**{name: kwargs.pop(name, None) for name in _SPARSITY_KWARGS})
+    sparsity = argparse.Namespace(**{name: kwargs.pop(name, None) for name in SPARSITY_OPTIONS})
     if kwargs.get("model_path") is None:
         kwargs["model_path"] = str(ensure_default_model())
     else:

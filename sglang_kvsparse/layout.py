@@ -81,6 +81,10 @@ class HeapLayout:
     sparse_slots: dict[int, SparseSlot]
     page_size: int
     scores_per_row: int
+    evict_page: int = 1
+    context_len: int = 1
+    #: Largest budget a request may ask for (`ResolvedSparsity.request_cap`).
+    request_cap: int = 0
 
     @classmethod
     def from_resolved(cls, resolved: ResolvedSparsity, scores_per_row: int, page_size: int = 1) -> HeapLayout:
@@ -97,7 +101,7 @@ class HeapLayout:
         groups = []
         for index, (budget, columns) in enumerate(sorted(by_budget.items())):
             max_entries = min(budget + resolved.config.evict_page, resolved.context_len)
-            score_rows = round_up(-(-max_entries // scores_per_row), page_size)
+            score_rows = _score_rows(max_entries, scores_per_row, page_size)
             groups.append(GroupSpec(index, budget, max_entries, tuple(columns), score_rows))
         slots = {
             layer: SparseSlot(group.index, c, lane)
@@ -105,7 +109,18 @@ class HeapLayout:
             for c, column in enumerate(group.columns)
             for lane, layer in enumerate(column.layers)
         }
-        return cls(resolved.num_layers, lanes, full, tuple(groups), slots, page_size, scores_per_row)
+        return cls(
+            resolved.num_layers,
+            lanes,
+            full,
+            tuple(groups),
+            slots,
+            page_size,
+            scores_per_row,
+            resolved.config.evict_page,
+            resolved.context_len,
+            resolved.request_cap,
+        )
 
     # -- queries ---------------------------------------------------------------------------
     def is_sparse(self, layer: int) -> bool:
@@ -120,17 +135,33 @@ class HeapLayout:
         """Lanes the sparse columns leave unused (a last column with fewer layers than lanes)."""
         return sum(self.lanes - len(column.layers) for group in self.groups for column in group.columns)
 
-    def sparse_rows(self, group: GroupSpec, final_len: int) -> int:
+    def sparse_rows(self, group: GroupSpec, final_len: int, budget: int = 0) -> int:
         """Most heap rows a request reaching `final_len` tokens holds in one group: per column
-        min(final_len, max_entries) entries in whole pages, and its score rows if it evicts."""
-        entries = round_up(min(final_len, group.max_entries), self.page_size)
-        scores = group.score_rows if final_len > group.max_entries else 0
+        min(final_len, max_entries) entries in whole pages, and its score rows if it evicts.
+        `budget`: the request's own budget (`request_sparsity.py`), 0 for the group's."""
+        max_entries = self.max_entries(group, budget)
+        entries = round_up(min(final_len, max_entries), self.page_size)
+        scores = self.score_rows(max_entries) if final_len > max_entries else 0
         return len(group.columns) * (entries + scores)
 
-    def rows_held(self, seq_len: int) -> int:
+    def max_entries(self, group: GroupSpec, budget: int = 0) -> int:
+        """Most entries a request with its own `budget` (0: the group's) holds in the group."""
+        if not budget:
+            return group.max_entries
+        return min(budget + self.evict_page, self.context_len)
+
+    def score_rows(self, max_entries: int) -> int:
+        """Rows (whole pages) of one column's scores for a request holding up to `max_entries`."""
+        return _score_rows(max_entries, self.scores_per_row, self.page_size)
+
+    def rows_held(self, seq_len: int, budget: int = 0) -> int:
         """Most heap rows a request of `seq_len` tokens holds: its SGLang ids (one row per token,
-        whole pages) and its sparse rows in every group."""
-        return round_up(seq_len, self.page_size) + sum(self.sparse_rows(g, seq_len) for g in self.groups)
+        whole pages) and its sparse rows in every group (`budget`: its own, 0 for the groups')."""
+        return round_up(seq_len, self.page_size) + sum(self.sparse_rows(g, seq_len, budget) for g in self.groups)
+
+    def widest_row(self, group: GroupSpec) -> int:
+        """Most entries any request holds in the group: its own or the largest request budget's."""
+        return max(group.max_entries, self.max_entries(group, self.request_cap))
 
     def dense_rows(self, seq_len: int) -> float:
         """Stock SGLang's bytes for the same request, in rows: every layer keeps every token."""
@@ -154,6 +185,10 @@ class HeapLayout:
         return (
             f"{self.lanes} lane(s) per heap row; full layers {list(self.full_layers)}; sparse columns: {groups}{idle}"
         )
+
+
+def _score_rows(max_entries: int, per_row: int, page_size: int) -> int:
+    return round_up(-(-max_entries // per_row), page_size)
 
 
 def scores_per_row(head_dim: int, dtype_bytes: int) -> int:

@@ -51,14 +51,27 @@ def add_sparsity_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kvsparse-full-layers", metavar="LIST", help="layers kept full, e.g. 0,1")
     group.add_argument("--kvsparse-budget", metavar="TOKENS", help="tokens kept per sparse layer")
     group.add_argument("--kvsparse-window", metavar="TOKENS", help="observation window (alpha)")
+    group.add_argument(
+        "--kvsparse-max-request-budget",
+        metavar="TOKENS",
+        help='largest budget one request may ask for (custom_params {"kvsparse": {"budget": N}})',
+    )
+
+
+#: The sparsity options' names (as `argparse` and `sglang_kvsparse.Engine` spell them).
+SPARSITY_OPTIONS = (
+    "kvsparse_config",
+    "kvsparse_preset",
+    "kvsparse_full_layers",
+    "kvsparse_budget",
+    "kvsparse_window",
+    "kvsparse_max_request_budget",
+)
 
 
 def sparsity_from_args(args: argparse.Namespace) -> SparsityConfig:
     """Build the configuration from parsed options (preset < JSON < short flags)."""
-    nothing_given = all(
-        getattr(args, name) is None
-        for name in ("kvsparse_config", "kvsparse_preset", "kvsparse_full_layers", "kvsparse_budget", "kvsparse_window")
-    )
+    nothing_given = all(getattr(args, name) is None for name in SPARSITY_OPTIONS)
     preset = LAUNCHER_DEFAULT_PRESET if nothing_given else args.kvsparse_preset
     return parse_config(
         args.kvsparse_config,
@@ -66,6 +79,7 @@ def sparsity_from_args(args: argparse.Namespace) -> SparsityConfig:
         full_layers=args.kvsparse_full_layers,
         budget=args.kvsparse_budget,
         window=args.kvsparse_window,
+        max_request_budget=args.kvsparse_max_request_budget,
     )
 
 

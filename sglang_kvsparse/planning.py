@@ -21,17 +21,27 @@ from sglang_kvsparse.sparse_state import SparseGroup, SparseState
 
 
 @dataclass(frozen=True)
+class Eviction:
+    """The decode evictions of one column's requests that keep the same `budget`: `slots`
+    [N, max_entries] their old rows, in position order, `score_slots` their score slots; the
+    forward keeps `budget` of each request's in its first `budget` rows."""
+
+    budget: int
+    slots: torch.Tensor
+    score_slots: torch.Tensor
+
+
+@dataclass(frozen=True)
 class ColumnPlan:
     """Kernel inputs of one sparse column (its layers read the same rows, each in its own lane).
 
     `new_slots`/`new_score_slots`: where the forward's kept tokens go (decode: one per request;
-    prefill: the requests' rows, request-major). `budget` and `compress` (some prefill request is
-    longer than the budget) tell the prefill whether to select.
+    prefill: the requests' rows, request-major). `budgets` ([B] on the host: each request's own)
+    and `compress` (some prefill request is longer than its budget) tell the prefill whether and
+    how much to select.
     Decode: `kv_lens` [B] and `kv_indices` [B, W] (each request's rows in position order, padded
     with valid rows past its length), `score_indices` [B, W] their score slots (the lane's score
-    view): the decode kernel's table layout. `evict_slots`: [N, max_entries] old rows, in position
-    order, of the N requests that evict this step, `evict_score_slots` their score slots; the
-    forward keeps `budget` of them in the first `budget` rows.
+    view): the decode kernel's table layout. `evictions`: this step's, one per budget.
     Prefill with the prefix store: `prefix_slots` (the matched prefixes' store rows, request-major,
     aligned with `ForwardPlan.prefix_positions`) and `store_slots` (where the new tokens at
     `ForwardPlan.store_positions` are stored, for later hits or the prompt's next chunk).
@@ -39,13 +49,12 @@ class ColumnPlan:
 
     new_slots: torch.Tensor
     new_score_slots: torch.Tensor
-    budget: int = 0
+    budgets: torch.Tensor | None = None
     compress: bool = False
     kv_lens: torch.Tensor | None = None
     kv_indices: torch.Tensor | None = None
     score_indices: torch.Tensor | None = None
-    evict_slots: torch.Tensor | None = None
-    evict_score_slots: torch.Tensor | None = None
+    evictions: tuple[Eviction, ...] = ()
     prefix_slots: torch.Tensor | None = None
     store_slots: torch.Tensor | None = None
 
@@ -66,15 +75,14 @@ class DecodeTables:
     newest: torch.Tensor
     newest_scores: torch.Tensor
 
-    def column(self, c: int, budget: int, **evictions: torch.Tensor | None) -> ColumnPlan:
+    def column(self, c: int, evictions: tuple[Eviction, ...] = ()) -> ColumnPlan:
         return ColumnPlan(
             self.newest[c],
             self.newest_scores[c],
-            budget,
             kv_lens=self.lengths,
             kv_indices=self.entries[..., c],
             score_indices=self.score_slots[..., c],
-            **evictions,
+            evictions=evictions,
         )
 
 
@@ -126,7 +134,7 @@ def plan_extend(
     new_ids: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
 ) -> ForwardPlan:
-    """Plan a prefill: every row keeps min(length, budget) entries of its whole sequence (cached
+    """Plan a prefill: every row keeps min(length, its budget) entries of its whole sequence (cached
     prefix + new tokens), but for a chunk before its prompt's last (`SparseState.partial`),
     which keeps none and stores its tokens.
 
@@ -159,13 +167,14 @@ def plan_extend(
         raise HeapError("a chunked prefill reached the sparse layers without a prefix store")
     columns = []
     for group in state.groups:
-        kept = torch.where(partial, 0, seq_lens.clamp(max=group.spec.budget))
+        budgets = state.budgets(group, index)
+        kept = torch.where(partial, 0, torch.minimum(seq_lens, budgets))
         if not torch.equal(group.table.lengths[index], kept):
             raise HeapError(
                 f"sparse rows hold {group.table.lengths[index].tolist()} entries for a prefill keeping {kept.tolist()}"
             )
         indices, scores = _indices(state, group, index, device)
-        compress = bool((seq_lens[~partial] > group.spec.budget).any())
+        compress = bool((seq_lens > budgets)[~partial].any())
         plans = []
         for c in range(group.columns):
             column = group.first_column + c
@@ -173,7 +182,7 @@ def plan_extend(
                 ColumnPlan(
                     indices[c],
                     scores[c],
-                    group.spec.budget,
+                    budgets,
                     compress,
                     prefix_slots=None if prefix_rows is None else prefix_rows[column].to(device),
                     store_slots=None if store_rows is None else store_rows[column].to(device),
@@ -204,7 +213,8 @@ def plan_extend(
 
 def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | str = "cpu") -> ForwardPlan:
     """Plan a decode step: each row's newest entry (appended by the allocation) takes the new
-    token, and the rows the allocation cut back to the budget get their eviction (`evict_slots`)."""
+    token, and the rows the allocation cut back to their budget get their eviction (`evictions`,
+    one per budget among them)."""
     state.counters.forward_plans += 1
     index = torch.tensor(list(rows), dtype=torch.int64)
     listed = set(index.tolist())
@@ -214,33 +224,42 @@ def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | 
         group_tables = _decode_tables(state, group, index, device)
         tables.append(group_tables)
         rows = [row for row in index.tolist() if row in group.evictions]
-        evicting = [group.evictions.pop(row) for row in rows]
+        olds = {row: group.evictions.pop(row) for row in rows}
         if group.evictions:
             stray = sorted(group.evictions)
             raise HeapError(f"rows {stray} evicted but are not in this decode batch ({sorted(listed)})")
-        old = old_scores = None
-        if evicting:
-            old = torch.stack(evicting).permute(2, 0, 1).to(device)  # [columns, N, n_old]
-            n_old = old.shape[2]
-            positions = torch.arange(n_old).repeat(len(rows))
-            slots = state.score_slots(group, torch.tensor(rows).repeat_interleave(n_old), positions)
-            old_scores = slots.T.reshape(group.columns, len(rows), n_old).to(device)
-        state.counters.evictions += len(evicting)
+        by_budget: dict[int, list[int]] = {}
+        for row, budget in zip(rows, state.budgets(group, torch.tensor(rows, dtype=torch.int64)).tolist()):
+            by_budget.setdefault(budget, []).append(row)
+        evictions = [_evictions(state, group, budget, members, olds, device) for budget, members in by_budget.items()]
+        state.counters.evictions += len(rows)
         columns.append(
             tuple(
-                group_tables.column(
-                    c,
-                    group.spec.budget,
-                    evict_slots=None if old is None else old[c],
-                    evict_score_slots=None if old_scores is None else old_scores[c],
-                )
-                for c in range(group.columns)
+                group_tables.column(c, tuple(per_column[c] for per_column in evictions)) for c in range(group.columns)
             )
         )
     ones = torch.ones(len(index), dtype=torch.int64)
     return ForwardPlan(
         _indptr(ones, device), tuple(columns), state.config.sink, state.config.window, decode_tables=tuple(tables)
     )
+
+
+def _evictions(
+    state: SparseState,
+    group: SparseGroup,
+    budget: int,
+    rows: list[int],
+    olds: dict[int, torch.Tensor],
+    device: torch.device | str,
+) -> list[Eviction]:
+    """The `Eviction` of each column for these request rows of one budget (their old entries in
+    `olds`, all as long: the budget's max_entries)."""
+    old = torch.stack([olds[row] for row in rows]).permute(2, 0, 1).to(device)  # [columns, N, n_old]
+    n_old = old.shape[2]
+    positions = torch.arange(n_old).repeat(len(rows))
+    slots = state.score_slots(group, torch.tensor(rows).repeat_interleave(n_old), positions)
+    old_scores = slots.T.reshape(group.columns, len(rows), n_old).to(device)
+    return [Eviction(budget, old[c], old_scores[c]) for c in range(group.columns)]
 
 
 def _use_store(

@@ -37,7 +37,7 @@ def sparse_extend(
     its budget all entries are stored with the score the policy gives a decoded key
     (`new_key_scores`: zero for the attention-based ones); otherwise `policy` scores the keys (SnapKV:
     the observation window's attention, pooled), `select_kept` keeps sink + window + the best up to
-    the budget per KV head, and the kept K/V and scores are scattered into the row's slots.
+    each request's budget per KV head, and the kept K/V and scores are scattered into its rows.
     Either way the prefix was read, not written: the row gets copies. The new tokens' K/V also go
     to their store slots, for later requests that share this prompt; a chunk before its prompt's
     last is only stored (`plan.keeps`). Returns [T, H_q, D].
@@ -60,7 +60,7 @@ def sparse_extend(
         return o
     inputs = PrefillScoringInputs(q, k_all, lse, plan.qo_indptr, kv_indptr, positions, sm_scale, plan.window)
     scores = policy.score(inputs)
-    kept, kept_lens = kernels.select_kept(scores, kv_indptr, column.budget, plan.sink, plan.window)
+    kept, kept_lens = kernels.select_kept(scores, kv_indptr, column.budgets, plan.sink, plan.window)
     if plan.keeps is not None:
         kept_lens = kept_lens * plan.keeps
     src = kept_sources(kept, kept_lens, kv_indptr)
@@ -147,13 +147,12 @@ def evict_planned(
     layer would be. Outside the layers, the step's variable-shaped work (how many rows evict)
     stays out of a captured decode graph."""
     for slot in slots:
-        column = plan.column(slot)
-        if column.evict_slots is not None:
+        for eviction in plan.column(slot).evictions:
             evict(
                 lanes[slot.lane],
-                column.evict_slots,
-                column.evict_score_slots,
-                column.budget,
+                eviction.slots,
+                eviction.score_slots,
+                eviction.budget,
                 plan.sink,
                 plan.window,
                 policy,

@@ -7,19 +7,22 @@ release path (finish, abort, retraction). It owns, per group of sparse columns (
 themselves come from the one KV heap (`HeapRows`: SGLang's token allocator), shared with SGLang's
 full layers.
 
+Each request keeps its own budget (`request_sparsity.py`: the server's by default, or the one
+its `custom_params` ask for, which `expect` records); "budget" below is the request's.
+
 Lifecycle of a row in one group: a prefill keeps min(length, budget) entries (the forward fills
 them, compressing when the prompt is longer than the budget); each decode step appends one. A
 prompt prefilled in chunks (SGLang's chunked prefill) keeps nothing until its last chunk: each
 earlier chunk's sparse-layer K/V go to the prefix store, held for the request (`partial` rows),
 and the last chunk reads them back as a cached prefix, so it selects with the whole prompt in
 view exactly as an unchunked prefill would. When
-a row holds `max_entries` (budget + evict_page), the step first evicts: the row is cut back to
+a row holds its `max_entries` (budget + evict_page), the step first evicts: the row is cut back to
 `budget` entries here, and the forward moves the `budget` best-scored of the old entries into the
 kept positions before it writes the new token (`planning.plan_decode` hands the old rows over).
 The evicted pages go back to the heap only once that forward has been issued (`finish_forward`),
 so no other owner can write into a row the eviction still reads.
 
-Scores: a request that will outgrow a group's `max_entries` (its final length, prompt + max new
+Scores: a request that will outgrow its `max_entries` in a group (its final length, prompt + max new
 tokens, is told by `expect` when SGLang gives it a row) gets the group's score rows at prefill;
 entry j of column c keeps its scores at score slot `score_rows[j // per_row] * per_row +
 j % per_row` of the lane's score view (the K bytes of those rows as float32). A request that
@@ -43,6 +46,7 @@ from sglang_kvsparse.config import ResolvedSparsity
 from sglang_kvsparse.contracts import HeapRows
 from sglang_kvsparse.layout import GroupSpec, HeapLayout, round_up, scores_per_row
 from sglang_kvsparse.prefix_store import PrefixStore
+from sglang_kvsparse.request_sparsity import SERVER_SETTING, RequestSparsity
 from sglang_kvsparse.row_table import HeapError, HeapExhausted, RowTable
 
 
@@ -71,14 +75,15 @@ class SparseGroup:
     table: RowTable
     #: First global column index of the group (columns are numbered across groups).
     first_column: int
-    #: Request row -> heap rows of its scores, [columns, spec.score_rows] (0: none).
+    #: Request row -> heap rows of its scores, [columns, score rows of the widest row] (0: none;
+    #: a request holds those of its own `max_entries`, the rest stay 0).
     score_table: torch.Tensor
     #: What the decode kernels read, on the lanes' device (int32): `table.table` and
     #: `score_table`, written through wherever the host tables change what a reader sees (a new
     #: request's rows, a page appended), so a step copies only those few entries to the device.
     device_table: torch.Tensor
     device_scores: torch.Tensor
-    #: Request row -> its entries before this step's eviction, [max_entries, columns].
+    #: Request row -> its entries before this step's eviction, [its max_entries, columns].
     evictions: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def mirror_rows(self, rows: torch.Tensor) -> None:
@@ -115,6 +120,9 @@ class Counters:
     chunks_stored: int = 0  # prefill chunks before a prompt's last, kept whole in the store
     store_entries_adopted: int = 0  # store entries moved to the tree's id for the same token
     requests_running_peak: int = 0
+    #: Requests given rows, by their setting's label (`RequestSparsity.label`); a retracted
+    #: request counts again when it is readmitted.
+    requests_by_setting: dict[str, int] = field(default_factory=dict)
 
 
 class SparseState:
@@ -147,8 +155,10 @@ class SparseState:
         first = 0
         device = lanes[0].k.device
         for spec in self.layout.groups:
-            table = RowTable(max_requests, spec.max_entries, len(spec.columns), self.page_size)
-            scores = torch.zeros(max_requests, len(spec.columns), spec.score_rows, dtype=torch.int64)
+            widest = self.layout.widest_row(spec)
+            table = RowTable(max_requests, widest, len(spec.columns), self.page_size)
+            score_rows = self.layout.score_rows(widest)
+            scores = torch.zeros(max_requests, len(spec.columns), score_rows, dtype=torch.int64)
             device_table = torch.zeros(table.table.shape, dtype=torch.int32, device=device)
             device_scores = torch.zeros(scores.shape, dtype=torch.int32, device=device)
             self.groups.append(SparseGroup(spec, table, first, scores, device_table, device_scores))
@@ -165,6 +175,7 @@ class SparseState:
         self.fill_len = torch.zeros(max_requests, dtype=torch.int64)  # length its prefill reaches, 0: unknown
         self.partial = torch.zeros(max_requests, dtype=torch.bool)  # rows between chunks of their prefill
         self.prefilled = torch.zeros(max_requests, dtype=torch.bool)  # rows whose prefill was planned: decoding
+        self.request_budget = torch.zeros(max_requests, dtype=torch.int64)  # a request's own budget, 0: the groups'
         self._held: dict[int, torch.Tensor] = {}  # partial row -> the store blocks it holds
         self._forgets: list[torch.Tensor] | None = None  # SGLang frees held back (`adopting`)
         self.counters = Counters()
@@ -203,23 +214,38 @@ class SparseState:
         self.fill_len[row] = 0
         self.partial[row] = False
         self.prefilled[row] = False
+        self.request_budget[row] = 0
         self._release_held(row)
         for group in self.groups:
             group.evictions.pop(row, None)
             if group.table.is_active(row):
                 self.heap.give(group.table.release(row))
             if bool(group.score_table[row, 0, 0]):
-                self.heap.give(group.score_table[row].reshape(-1))
+                held = group.score_table[row]
+                self.heap.give(held[held > 0])
                 group.score_table[row] = 0
 
-    def expect(self, rows: list[int], final_lens: list[int], fill_lens: list[int] | None = None) -> None:
+    def expect(
+        self,
+        rows: list[int],
+        final_lens: list[int],
+        fill_lens: list[int] | None = None,
+        settings: list[RequestSparsity] | None = None,
+    ) -> None:
         """The requests SGLang just gave these rows will reach at most these lengths (their
-        prompt and max new tokens): those that outgrow a group's budget get score rows there.
-        `fill_lens`: the lengths their prefills reach (a shorter allocation is a chunk)."""
+        prompt and max new tokens): those that outgrow their budget in a group get score rows
+        there. `fill_lens`: the lengths their prefills reach (a shorter allocation is a chunk).
+        `settings`: each request's own (`request_sparsity.py`; default the server's)."""
         index = torch.tensor(rows, dtype=torch.int64)
         self.final_len[index] = torch.tensor(final_lens, dtype=torch.int64)
         if fill_lens is not None:
             self.fill_len[index] = torch.tensor(fill_lens, dtype=torch.int64)
+        settings = settings if settings is not None else [SERVER_SETTING] * len(rows)
+        self.request_budget[index] = torch.tensor([s.row_budget(self.resolved) for s in settings], dtype=torch.int64)
+        counts = self.counters.requests_by_setting
+        for setting, continuing in zip(settings, self.running[index].tolist()):
+            if not continuing:  # a chunked prompt's later chunks keep the row it got first
+                counts[setting.label] = counts.get(setting.label, 0) + 1
 
     def clear(self) -> None:
         """Release every row, the deferred evictions and the prefix store, giving rows back."""
@@ -242,6 +268,7 @@ class SparseState:
         self.fill_len.zero_()
         self.partial.zero_()
         self.prefilled.zero_()
+        self.request_budget.zero_()
         self._held.clear()
         self._deferred.clear()
         if self.store is not None:
@@ -320,25 +347,31 @@ class SparseState:
             self.store.unpin_all()
 
     # -- admission and SGLang's decode check ---------------------------------------------------
-    def rows_to_hold(self, final_len: int) -> int:
-        """Most heap rows a request reaching `final_len` tokens holds in the sparse columns."""
-        return sum(self.layout.sparse_rows(group.spec, final_len) for group in self.groups)
+    def rows_to_hold(self, final_len: int, budget: int = 0) -> int:
+        """Most heap rows a request reaching `final_len` tokens holds in the sparse columns
+        (`budget`: its own, `RequestSparsity.row_budget`; 0 for the groups')."""
+        return sum(self.layout.sparse_rows(group.spec, final_len, budget) for group in self.groups)
 
-    def prefill_peak_rows(self, prompt_len: int, chunk_size: int | None) -> int:
+    def row_rows_to_hold(self, row: int, final_len: int) -> int:
+        """`rows_to_hold` of the request in `row`, at its own budget."""
+        return self.rows_to_hold(final_len, int(self.request_budget[row]))
+
+    def prefill_peak_rows(self, prompt_len: int, chunk_size: int | None, budget: int = 0) -> int:
         """Most heap rows a prompt's prefill holds: its SGLang ids and entries, and, prefilled in
         chunks of `chunk_size`, its earlier chunks in the prefix store (bounded by the whole
         prompt) until the last chunk has read them."""
-        held = self.layout.rows_held(prompt_len)
+        held = self.layout.rows_held(prompt_len, budget)
         if chunk_size is None or chunk_size <= 0 or prompt_len <= chunk_size or self.store is None:
             return held
         return held + self.store.rows_per_block * -(-prompt_len // self.page_size)
 
-    def prefill_charge(self, prefix_len: int, end: int, fill_len: int, final_len: int) -> int:
+    def prefill_charge(self, prefix_len: int, end: int, fill_len: int, final_len: int, budget: int = 0) -> int:
         """Heap rows a prefill of tokens [prefix_len, end) of a request whose prefill reaches
         `fill_len` takes beyond SGLang's own ids: a chunk before the last stores its tokens in the
-        prefix store (whole blocks), the last chunk (or the whole prompt) the request's entries."""
+        prefix store (whole blocks), the last chunk (or the whole prompt) the request's entries
+        (at its own `budget`, 0 for the groups')."""
         if end >= fill_len or self.store is None:
-            return self.rows_to_hold(final_len)
+            return self.rows_to_hold(final_len, budget)
         blocks = -(-(end - prefix_len) // self.page_size)
         return blocks * self.store.rows_per_block
 
@@ -364,7 +397,7 @@ class SparseState:
         total = 0
         for group in self.groups:
             held = group.table.lengths[index]
-            kept = torch.where(held == group.spec.max_entries, group.spec.budget, held)
+            kept = torch.where(held == self.max_entries(group, index), self.budgets(group, index), held)
             total += int((kept % self.page_size == 0).sum()) * group.columns * self.page_size
         return total
 
@@ -403,31 +436,49 @@ class SparseState:
     def deferred_rows(self) -> int:
         return sum(rows.numel() for rows in self._deferred)
 
+    def budgets(self, group: SparseGroup, rows: torch.Tensor) -> torch.Tensor:
+        """Each request row's budget in the group: its own, or the group's."""
+        own = self.request_budget[rows]
+        return torch.where(own > 0, own, group.spec.budget)
+
+    def max_entries(self, group: SparseGroup, rows: torch.Tensor) -> torch.Tensor:
+        """Each request row's most entries in the group (it evicts on reaching them)."""
+        own = self.request_budget[rows]
+        mine = (own + self.config.evict_page).clamp(max=self.resolved.context_len)
+        return torch.where(own > 0, mine, group.spec.max_entries)
+
+    def _score_rows(self, group: SparseGroup, rows: torch.Tensor) -> list[int]:
+        """Score rows per column each request row holds in the group if it evicts."""
+        return [self.layout.score_rows(n) for n in self.max_entries(group, rows).tolist()]
+
     # -- internals -------------------------------------------------------------------------
     def _scored(self, group: SparseGroup, rows: torch.Tensor) -> torch.Tensor:
         """Which of these new rows will evict in the group (one of unknown final length may grow
         to the context length)."""
         final = self.final_len[rows]
         final = torch.where(final == 0, self.resolved.context_len, final)
-        return final > group.spec.max_entries
+        return final > self.max_entries(group, rows)
 
     def _growth(
         self, group: SparseGroup, new_rows: torch.Tensor, new_lens: torch.Tensor, stepping: torch.Tensor
     ) -> tuple[int, torch.Tensor]:
         """(pages the group needs for this allocation, the stepping rows that evict first)."""
-        table, spec = group.table, group.spec
+        table = group.table
         if bool(table.active[new_rows].any()):
             raise HeapError("a new request row still holds sparse entries")
-        pages = sum(table.pages_for(min(int(n), spec.budget)) for n in new_lens)
-        scored = int(self._scored(group, new_rows).sum())
-        pages += scored * group.columns * spec.score_rows // self.page_size
+        kept_new = torch.minimum(new_lens, self.budgets(group, new_rows))
+        pages = sum(table.pages_for(int(n)) for n in kept_new)
+        scored = self._scored(group, new_rows)
+        score_rows = sum(n for n, with_scores in zip(self._score_rows(group, new_rows), scored.tolist()) if with_scores)
+        pages += score_rows * group.columns // self.page_size
         if stepping.numel() and not bool(table.active[stepping].all()):
             raise HeapError("a decoding row holds no sparse entries")
         held = table.lengths[stepping]
-        evicting = stepping[held == spec.max_entries]
+        full = held == self.max_entries(group, stepping)
+        evicting = stepping[full]
         if any(int(row) in group.evictions for row in evicting):
             raise HeapError("a row evicts again before its previous eviction ran in a forward")
-        kept = torch.where(held == spec.max_entries, spec.budget, held)
+        kept = torch.where(full, self.budgets(group, stepping), held)
         pages += int((kept % self.page_size == 0).sum()) * group.columns
         return pages, evicting
 
@@ -440,22 +491,25 @@ class SparseState:
         evicting: torch.Tensor,
         rows: torch.Tensor,
     ) -> None:
-        table, spec = group.table, group.spec
+        table = group.table
         offset = 0
+        budgets = self.budgets(group, new_rows).tolist()
         scored = self._scored(group, new_rows).tolist()
-        for row, n, with_scores in zip(new_rows.tolist(), new_lens.tolist(), scored):
-            kept = min(n, spec.budget)
+        score_rows = self._score_rows(group, new_rows)
+        news = zip(new_rows.tolist(), new_lens.tolist(), budgets, scored, score_rows)
+        for row, n, budget, with_scores, width in news:
+            kept = min(n, budget)
             take = table.pages_for(kept) * self.page_size
             table.assign(row, kept, rows[offset : offset + take])
             offset += take
             if with_scores:
-                take = group.columns * spec.score_rows
-                group.score_table[row] = rows[offset : offset + take].view(group.columns, spec.score_rows)
+                take = group.columns * width
+                group.score_table[row, :, :width] = rows[offset : offset + take].view(group.columns, width)
                 offset += take
         group.mirror_rows(new_rows)
-        for row in evicting.tolist():
+        for row, budget in zip(evicting.tolist(), self.budgets(group, evicting).tolist()):
             group.evictions[row] = table.entries(row)
-            self._deferred.append(table.shrink(row, spec.budget))
+            self._deferred.append(table.shrink(row, budget))
         growing = table.rows_needing_page(stepping)
         starts = table.lengths[growing]
         table.append(stepping, rows[offset:])
@@ -482,6 +536,17 @@ class SparseState:
         return (
             f"{self.requests_running()} requests, sparse rows {sparse}; {store}; "
             f"{self.deferred_rows()} evicted rows awaiting the forward"
+        )
+
+    def describe_tables(self) -> str:
+        """The row tables' size, for the start-up log: a request's row is as wide as the largest
+        budget a request may ask for (`max_request_budget`), in every group."""
+        host = sum(g.table.table.nbytes + g.score_table.nbytes for g in self.groups)
+        device = sum(g.device_table.nbytes + g.device_scores.nbytes for g in self.groups)
+        widths = ", ".join(str(g.table.max_entries) for g in self.groups) or "none"
+        return (
+            f"row tables: {self.running.numel()} request rows x {widths} entries: "
+            f"{host / 2**20:.1f} MiB on the host, {device / 2**20:.1f} MiB on the device"
         )
 
     def take_for_store(self, rows: int) -> torch.Tensor:

@@ -80,6 +80,8 @@ class SparseStats:
     requests_running_peak: int
     forward_plans: int
     evictions: int
+    #: Requests given rows by their own setting ("server", "budget N", "off": `RequestSparsity`).
+    requests_by_setting: dict[str, int]
     enabled: bool = True
 
     def to_dict(self) -> dict[str, Any]:
@@ -142,6 +144,7 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
         requests_running_peak=state.counters.requests_running_peak,
         forward_plans=state.counters.forward_plans,
         evictions=state.counters.evictions,
+        requests_by_setting=dict(state.counters.requests_by_setting),
     )
 
 
@@ -236,6 +239,9 @@ def combine_replicas(replicas: list[dict[str, Any]]) -> dict[str, Any]:
     for replica in replicas[1:]:
         for path in REPLICA_COUNTS:
             _add(total, replica, path)
+        by_setting = total["requests_by_setting"]
+        for setting, count in replica["requests_by_setting"].items():
+            by_setting[setting] = by_setting.get(setting, 0) + count
     total.pop("tp_ranks", None)
     total.update(
         dp_size=len(replicas),

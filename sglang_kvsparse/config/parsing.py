@@ -34,6 +34,7 @@ def parse_config(
     full_layers: str | Sequence[int] | None = None,
     budget: int | str | None = None,
     window: int | str | None = None,
+    max_request_budget: int | str | None = None,
 ) -> SparsityConfig:
     """Build the config from a preset, then `--kvsparse-config` JSON, then short flags.
 
@@ -64,7 +65,7 @@ def parse_config(
             if "enabled" not in data:
                 explicit.append(label)
 
-    flags = {"full_layers": full_layers, "budget": budget, "window": window}
+    flags = {"full_layers": full_layers, "budget": budget, "window": window, "max_request_budget": max_request_budget}
     for name, raw in flags.items():
         if raw is None:
             continue

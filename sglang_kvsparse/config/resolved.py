@@ -14,13 +14,16 @@ LayerKind = Literal["full", "sparse"]
 @dataclass(frozen=True)
 class ResolvedSparsity:
     """`budgets[layer]` is None for full layers and min(configured budget, context_len) for
-    sparse ones. Built only by `SparsityConfig.resolve`."""
+    sparse ones; `request_cap` is the largest budget one request may ask for (the config's
+    `max_request_budget`, else the largest sparse budget; within the context; 0 with no sparse
+    layer). Built only by `SparsityConfig.resolve`."""
 
     config: SparsityConfig
     num_layers: int
     context_len: int
     kinds: tuple[LayerKind, ...]
     budgets: tuple[int | None, ...]
+    request_cap: int = 0
 
     @property
     def enabled(self) -> bool:

@@ -21,6 +21,7 @@ FLAG_OF_FIELD: dict[str, str] = {
     "full_layers": "--kvsparse-full-layers",
     "budget": "--kvsparse-budget",
     "window": "--kvsparse-window",
+    "max_request_budget": "--kvsparse-max-request-budget",
 }
 
 
@@ -90,6 +91,11 @@ class SparsityConfig:
       evict_page   decode eviction granularity in tokens: a sparse layer that holds
                    budget + evict_page entries evicts evict_page of them, back to budget.
       policy       the scoring policy with its own knobs (`sglang_kvsparse.policies.POLICIES`).
+      max_request_budget
+                   the largest budget one request may ask for (`custom_params` {"kvsparse":
+                   {"budget": N}}, or {"enabled": false} for a request no longer than it); None:
+                   the largest sparse budget, so requests may only ask for less. It sizes the
+                   sparse layers' row tables (`request_sparsity.py`, docs/config.md).
     """
 
     enabled: bool = True
@@ -99,6 +105,7 @@ class SparsityConfig:
     window: int = 32
     evict_page: int = 16
     policy: ScoringPolicy = SnapKVPolicy()
+    max_request_budget: int | None = None
     # Where each field's value came from, for error messages: ((field, option label), ...).
     origins: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
@@ -147,6 +154,8 @@ class SparsityConfig:
         self._check_int("evict_page", self.evict_page, 1)
         if not isinstance(self.policy, ScoringPolicy):
             raise self._fail("policy", f"expected a scoring policy, got {self.policy!r}")
+        if self.max_request_budget is not None:
+            self._check_int("max_request_budget", self.max_request_budget, 1)
         self._validate_budget_shape()
 
     def _validate_budget_shape(self) -> None:
@@ -200,7 +209,13 @@ class SparsityConfig:
         for layer, value in zip(sparse, self._sparse_budgets(len(sparse))):
             budgets[layer] = min(value, context_len)
         kinds = tuple("full" if layer in full else "sparse" for layer in range(num_layers))
-        return ResolvedSparsity(self, num_layers, context_len, kinds, tuple(budgets))
+        largest = max((value for value in budgets if value is not None), default=0)
+        if self.max_request_budget is not None and self.max_request_budget < largest:
+            raise self._fail(
+                "max_request_budget", f"{self.max_request_budget} is below the largest sparse budget ({largest})"
+            )
+        request_cap = min(self.max_request_budget or largest, context_len)
+        return ResolvedSparsity(self, num_layers, context_len, kinds, tuple(budgets), request_cap)
 
     def _sparse_budgets(self, num_sparse: int) -> tuple[int, ...]:
         if num_sparse == 0:
@@ -234,6 +249,7 @@ class SparsityConfig:
             "window": self.window,
             "evict_page": self.evict_page,
             "policy": {"name": self.policy.name, **self.policy.options()},
+            "max_request_budget": self.max_request_budget,
         }
 
     def describe(self) -> str:
@@ -247,9 +263,10 @@ class SparsityConfig:
         else:
             budget = f"budget {self.budget}"
         full = ",".join(map(str, self.full_layers)) or "none"
+        requests = "" if self.max_request_budget is None else f"; requests may ask up to {self.max_request_budget}"
         return (
             f"kvsparse {self.policy.describe()}: full layers {full}; {budget}; sink {self.sink}, "
-            f"window {self.window}; evict every {self.evict_page}"
+            f"window {self.window}; evict every {self.evict_page}{requests}"
         )
 
 

@@ -5,7 +5,8 @@ only those the collected tests ask for (CI's tier needs four; `make test-extende
 - "sparse": the project's launcher with sparse layers whose budgets cover every length (lossless),
   with a context of `SPARSE_CONTEXT` tokens (a prompt near it is served in 9 chunks);
 - "evicting": sparse layers with a budget of 256 that really evict, in a KV pool small enough
-  (`EVICTING_ARGS`) that concurrent requests force SGLang to retract;
+  (`EVICTING_ARGS`) that concurrent requests force SGLang to retract; its requests may ask for
+  their own budget up to 1,024, or for no sparsity;
 - "unchunked": the evicting server's settings without chunked prefill, with faults injected for
   requests whose rid says so (`FAULT_INJECTION`);
 - "stock": stock SGLang.
@@ -48,6 +49,8 @@ SPARSE_CONTEXT = 4608
 #: optimistic (`RETRACTING_ENV`) forces retractions. Custom logit processors are on for the
 #: teacher-forcing test (`test_chunked.py`).
 EVICTING_BUDGET = 256
+#: The largest budget one of its requests may ask for (`test_request_settings.py`).
+EVICTING_MAX_REQUEST_BUDGET = 1024
 EVICTING_ARGS = [
     "--dtype",
     "float32",
@@ -57,6 +60,8 @@ EVICTING_ARGS = [
     "0,1",
     "--kvsparse-budget",
     str(EVICTING_BUDGET),
+    "--kvsparse-max-request-budget",
+    str(EVICTING_MAX_REQUEST_BUDGET),
     "--enable-metrics",
     "--enable-cache-report",
     "--enable-custom-logit-processor",

@@ -36,7 +36,10 @@ def _adder() -> SimpleNamespace:
 
 def _chunked_req() -> SimpleNamespace:
     return SimpleNamespace(
-        origin_input_ids=[1] * 3000, output_ids=[], prefix_len=1024, sampling_params=SimpleNamespace(max_new_tokens=16)
+        origin_input_ids=[1] * 3000,
+        output_ids=[],
+        prefix_len=1024,
+        sampling_params=SimpleNamespace(max_new_tokens=16, custom_params=None),
     )
 
 

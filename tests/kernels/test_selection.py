@@ -94,6 +94,26 @@ def test_select_matches_naive(budget, sink, window):
             assert (kept[b, h, n:] == -1).all()
 
 
+def test_select_with_each_requests_own_budget_matches_naive_per_request():
+    """A [B] budget keeps, for each request, what a call with its budget alone keeps."""
+    budgets = [3, 7, 12, 4, 25]
+    scores = torch.rand(sum(LENS), 3, generator=torch.Generator().manual_seed(7))
+    kept, kept_lens = select_kept(scores, indptr_from_lens(LENS, "cpu"), torch.tensor(budgets), 1, 2)
+    assert kept.shape == (len(LENS), 3, min(max(budgets), max(LENS)))
+    assert kept_lens.tolist() == [min(n, b) for n, b in zip(LENS, budgets)]
+    start = 0
+    for b, (n, budget) in enumerate(zip(LENS, budgets)):
+        (per_head,) = naive_select(scores[start : start + n], [n], budget, 1, 2)
+        start += n
+        for h, positions in enumerate(per_head):
+            assert kept[b, h, : len(positions)].tolist() == positions
+            assert (kept[b, h, len(positions) :] == -1).all()
+    with pytest.raises(ValueError, match="2 budgets for 5 requests"):
+        select_kept(scores, indptr_from_lens(LENS, "cpu"), torch.tensor([4, 4]), 1, 2)
+    with pytest.raises(ValueError, match="exceeds the budget \\(2\\)"):
+        select_kept(scores, indptr_from_lens(LENS, "cpu"), torch.tensor([4, 4, 2, 4, 4]), 1, 2)
+
+
 def test_select_rejects_protected_over_budget():
     with pytest.raises(ValueError):
         select_kept(torch.zeros(10, 1), indptr_from_lens([10], "cpu"), budget=4, sink=2, window=3)

@@ -89,6 +89,7 @@ def make_state(
     pool_kernel=1,
     device="cpu",
     policy: ScoringPolicy | None = None,
+    max_request_budget: int | None = None,
 ) -> tuple[SparseState, FreeList]:
     """A state of `num_layers` layers (`full_layers` full, one lane per full layer) on a heap of
     `rows` rows, its lanes on `device`. The policy: SnapKV of `pool_kernel` unless given
@@ -100,6 +101,7 @@ def make_state(
         window=window,
         policy=policy or SnapKVPolicy(pool_kernel=pool_kernel),
         evict_page=evict_page,
+        max_request_budget=max_request_budget,
     )
     resolved = config.resolve(num_layers, context)
     heap = FreeList(rows, page)
@@ -186,7 +188,7 @@ def decode_lifecycle(
             continue
         grow(state, rows, [lengths[row] + 1 for row in rows])
         plan = plan_decode(state, rows, device)
-        evicting += any(column.evict_slots is not None for group in plan.columns for column in group)
+        evicting += any(column.evictions for group in plan.columns for column in group)
         q, k, v = inputs(len(rows))
         positions = torch.tensor([lengths[row] for row in rows], device=device)
         with guard():

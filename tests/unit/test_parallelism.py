@@ -52,6 +52,7 @@ def _rank(requests: int, free: int, kv_bytes: int) -> dict:
         **{name: requests for name in ("store_entries_adopted", "requests_running", "requests_running_peak")},
         "forward_plans": 10,
         "evictions": requests,
+        "requests_by_setting": {"server": requests, f"budget {requests}": 1},
         "heap": {
             "rows_total": 1000,
             "lanes": 2,
@@ -87,6 +88,7 @@ def test_replicas_add_up_every_count_and_keep_their_own_stats():
     assert total["dp_size"] == 2 and total["in_step"] and total["replicas"] == [first, second]
     assert total["requests_running"] == 5 and total["evictions"] == 5 and total["forward_plans"] == 20
     assert total["kv_bytes_in_use"] == 140
+    assert total["requests_by_setting"] == {"server": 5, "budget 3": 1, "budget 2": 1}
     assert total["heap"]["rows_total"] == 2000 and total["heap"]["free"] == 1600 and total["heap"]["lanes"] == 2
     assert total["heap"]["groups"] == [
         {"budget": 256, "max_entries": 272, "columns": 3, "layers": [2, 3], "rows": 10, "score_rows": 2}

@@ -162,7 +162,7 @@ def test_policy_keeps_what_its_float64_computation_keeps(name, prompt):
         held, before = row.held(keys)
         grow(row.state, [1], [position + 1])
         plan = plan_decode(row.state, [1])
-        evicting = plan.column(row.slot).evict_slots is not None
+        evicting = bool(plan.column(row.slot).evictions)
         evict_planned(plan, [row.slot], row.state.lanes, policy)
         sparse_decode(
             q[position : position + 1],

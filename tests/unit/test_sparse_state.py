@@ -110,7 +110,8 @@ def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries
     assert heap.free_rows() == free_before - 2 * 3 and state.deferred_rows() == evict_page * 3
     plan = plan_decode(state, [1, 2])
     column = plan.column(slot)
-    assert column.evict_slots.shape == (1, budget + evict_page)
+    (eviction,) = column.evictions
+    assert eviction.budget == budget and eviction.slots.shape == (1, budget + evict_page)
     qd, kd, vd = torch.randn(2, H_KV * G, D), torch.randn(2, H_KV, D), torch.randn(2, H_KV, D)
     evict_planned(plan, state.layout.sparse_slots.values(), state.lanes, state.policy)
     od = sparse_decode(qd, kd, vd, 0.3, plan, column, lane, state.policy, torch.tensor([24, 7]))
@@ -178,7 +179,7 @@ def test_prefill_compression_keeps_protected_and_best_scored_keys_per_head():
     plan = plan_extend(state, [1, 2], [0, 0], lengths)
     lane, slot = lane_of(state, 1)
     column = plan.column(slot)
-    assert column.compress and column.budget == budget
+    assert column.compress and column.budgets.tolist() == [budget, budget]
     total = sum(lengths)
     q, k, v = torch.randn(total, H_KV * G, D), torch.randn(total, H_KV, D), torch.randn(total, H_KV, D)
     o = sparse_extend(q, k, v, 0.3, plan, column, lane, state.policy)

@@ -1,0 +1,112 @@
+"""One request's own sparsity setting, from SGLang's `custom_params` (no SGLang imports).
+
+A request asks through the `custom_params` field SGLang carries from `/generate`'s
+`sampling_params` and from the OpenAI endpoints (`extra_body={"custom_params": ...}`) to the
+scheduler:
+
+* ``{"kvsparse": {"budget": N}}``: every sparse layer keeps N entries for this request, in place of
+  the server's budgets (sink + window <= N <= the server's `max_request_budget`);
+* ``{"kvsparse": {"enabled": false}}``: the request keeps every token in every layer, as in stock
+  SGLang; its prompt plus max_new_tokens must be at most `max_request_budget`, so that its sparse
+  rows hold it whole (they are sized by it).
+
+The HTTP process refuses a bad setting before the request is queued (`check_request`: a 400
+naming the field); admission charges each request the rows its own setting holds, and the sparse
+layers keep, compress and evict each request to its own budget (`SparseState.expect`).
+A per-request scoring policy is not offered: the policy's scores live in the heap in its own
+units, and a decode step updates every row of a batch the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_kvsparse.config import ResolvedSparsity
+from sglang_kvsparse.config.schema import is_int
+
+#: The key of `custom_params` this project reads.
+REQUEST_KEY = "kvsparse"
+#: How errors name the field.
+FIELD = f"custom_params.{REQUEST_KEY}"
+#: What a request may set.
+KNOWN_KEYS = ("budget", "enabled")
+
+
+@dataclass(frozen=True)
+class RequestSparsity:
+    """A request's setting: the server's (`budget` None, on), its own budget, or off."""
+
+    budget: int | None = None
+    enabled: bool = True
+
+    @property
+    def label(self) -> str:
+        """How `/kvsparse/stats` counts it: "server", "budget N" or "off"."""
+        if not self.enabled:
+            return "off"
+        return "server" if self.budget is None else f"budget {self.budget}"
+
+    def row_budget(self, resolved: ResolvedSparsity) -> int:
+        """The budget its sparse rows keep in every group: 0 for the server's budgets; off keeps
+        `request_cap` entries, at least its whole length (`check_request`)."""
+        if not self.enabled:
+            return resolved.request_cap
+        return self.budget or 0
+
+
+SERVER_SETTING = RequestSparsity()
+
+
+def parse_request(custom_params: Any, resolved: ResolvedSparsity) -> RequestSparsity:
+    """The setting in a request's `custom_params` (the server's when it has none); ValueError
+    naming the field for a malformed one or a budget the server cannot give."""
+    if not isinstance(custom_params, dict) or custom_params.get(REQUEST_KEY) is None:
+        return SERVER_SETTING
+    value = custom_params[REQUEST_KEY]
+    if not isinstance(value, dict):
+        raise ValueError(f'{FIELD}: expected an object such as {{"budget": 256}}, got {value!r}')
+    for key in value:
+        if key not in KNOWN_KEYS:
+            raise ValueError(f"{FIELD}: unknown key {key!r} (known: {', '.join(KNOWN_KEYS)})")
+    enabled = value.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise ValueError(f"{FIELD}.enabled: expected true or false, got {enabled!r}")
+    budget = value.get("budget")
+    if budget is None:
+        return RequestSparsity(enabled=enabled)
+    if not enabled:
+        raise ValueError(f"{FIELD}: give either budget or enabled: false, not both")
+    config = resolved.config
+    if not is_int(budget):
+        raise ValueError(f"{FIELD}.budget: expected an integer, got {budget!r}")
+    if budget < config.protected:
+        raise ValueError(
+            f"{FIELD}.budget: {budget} is smaller than the server's sink + window ({config.sink} + {config.window})"
+        )
+    if budget > resolved.request_cap:
+        raise ValueError(
+            f"{FIELD}.budget: {budget} is above this server's max_request_budget ({resolved.request_cap}; "
+            "start it with a larger --kvsparse-max-request-budget)"
+        )
+    return RequestSparsity(budget=budget)
+
+
+def check_request(
+    custom_params: Any, prompt_len: int, max_new_tokens: int | None, resolved: ResolvedSparsity
+) -> RequestSparsity:
+    """`parse_request`, and for a request that turns sparsity off, that its whole length fits
+    the rows it is given (ValueError naming the field otherwise)."""
+    setting = parse_request(custom_params, resolved)
+    if setting.enabled:
+        return setting
+    if max_new_tokens is None:
+        raise ValueError(f"{FIELD}.enabled: false needs max_new_tokens (max_tokens) to bound the request's length")
+    longest = prompt_len + max_new_tokens
+    if longest > resolved.request_cap:
+        raise ValueError(
+            f"{FIELD}.enabled: false keeps at most {resolved.request_cap} tokens on this server (its "
+            f"max_request_budget); this request may reach {longest} (prompt {prompt_len} + max_new_tokens "
+            f"{max_new_tokens}): lower max_tokens or start the server with a larger --kvsparse-max-request-budget"
+        )
+    return setting

@@ -1,0 +1,136 @@
+"""Per-request sparsity (`custom_params` {"kvsparse": ...}): parsing, the HTTP-side checks, and
+requests with different settings in one batch of the sparse state, without SGLang."""
+
+import json
+
+import pytest
+import torch
+
+from sglang_kvsparse.config import SparsityConfig, SparsityConfigError, parse_config
+from sglang_kvsparse.planning import plan_decode, plan_extend
+from sglang_kvsparse.request_sparsity import SERVER_SETTING, RequestSparsity, check_request, parse_request
+from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
+from sglang_kvsparse.stats import collect
+
+from .heap import H_KV, D, grow, make_state
+
+G = 2  # query heads per KV head
+RESOLVED = SparsityConfig(full_layers=(0,), budget=64, sink=4, window=16, max_request_budget=512).resolve(4, 4096)
+
+
+def test_a_request_without_a_setting_keeps_the_servers():
+    for params in (None, {}, {"other": 1}, {"kvsparse": None}):
+        assert parse_request(params, RESOLVED) == SERVER_SETTING
+    assert SERVER_SETTING.label == "server" and SERVER_SETTING.row_budget(RESOLVED) == 0
+
+
+def test_a_request_asks_for_its_own_budget_or_for_no_sparsity():
+    own = parse_request({"kvsparse": {"budget": 20}}, RESOLVED)
+    assert (own.label, own.row_budget(RESOLVED)) == ("budget 20", 20)
+    off = check_request({"kvsparse": {"enabled": False}}, 400, 112, RESOLVED)
+    assert (off.label, off.row_budget(RESOLVED)) == ("off", 512)  # every token of a 512-token request
+    assert parse_request({"kvsparse": {"enabled": True}}, RESOLVED) == SERVER_SETTING
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (256, 'custom_params.kvsparse: expected an object such as {"budget": 256}, got 256'),
+        ({"budgte": 8}, "custom_params.kvsparse: unknown key 'budgte' (known: budget, enabled)"),
+        ({"enabled": "no"}, "custom_params.kvsparse.enabled: expected true or false, got 'no'"),
+        ({"budget": "64"}, "custom_params.kvsparse.budget: expected an integer, got '64'"),
+        ({"budget": True}, "custom_params.kvsparse.budget: expected an integer, got True"),
+        ({"budget": 19}, "custom_params.kvsparse.budget: 19 is smaller than the server's sink + window (4 + 16)"),
+        ({"budget": 513}, "custom_params.kvsparse.budget: 513 is above this server's max_request_budget (512;"),
+        ({"budget": 64, "enabled": False}, "custom_params.kvsparse: give either budget or enabled: false"),
+    ],
+)
+def test_a_bad_setting_is_refused_naming_the_field(value, message):
+    with pytest.raises(ValueError) as error:
+        check_request({"kvsparse": value}, 100, 10, RESOLVED)
+    assert str(error.value).startswith(message)
+
+
+def test_sparsity_off_needs_the_whole_request_within_the_servers_largest_budget():
+    with pytest.raises(ValueError, match=r"enabled: false keeps at most 512 tokens .* may reach 513 \(prompt 500"):
+        check_request({"kvsparse": {"enabled": False}}, 500, 13, RESOLVED)
+    with pytest.raises(ValueError, match="enabled: false needs max_new_tokens"):
+        check_request({"kvsparse": {"enabled": False}}, 500, None, RESOLVED)
+    assert check_request({"kvsparse": {"enabled": False}}, 500, 12, RESOLVED).label == "off"
+
+
+def test_max_request_budget_is_validated_and_round_trips():
+    config = parse_config(full_layers="0", budget=64, max_request_budget="300")
+    assert config.max_request_budget == 300 and config.resolve(4, 200).request_cap == 200  # within the context
+    assert parse_config(json_or_path=json.dumps(config.to_dict())) == config
+    assert parse_config(full_layers="0", budget=64).resolve(4, 4096).request_cap == 64  # default: the largest budget
+    with pytest.raises(SparsityConfigError, match="--kvsparse-max-request-budget: 32 is below the largest sparse"):
+        parse_config(full_layers="0", budget=64, max_request_budget=32).resolve(4, 4096)
+    with pytest.raises(SparsityConfigError, match="--kvsparse-max-request-budget: expected an integer"):
+        parse_config(max_request_budget="lots")
+
+
+def forward_prefill(state, rows, lengths):
+    plan = plan_extend(state, rows, [0] * len(rows), lengths)
+    total = sum(lengths)
+    q, k, v = torch.randn(total, H_KV * G, D), torch.randn(total, H_KV, D), torch.randn(total, H_KV, D)
+    for slot in state.layout.sparse_slots.values():
+        sparse_extend(q, k, v, 0.3, plan, plan.column(slot), state.lanes[slot.lane], state.policy)
+    state.finish_forward()
+    return plan
+
+
+def forward_decode(state, rows, positions):
+    plan = plan_decode(state, rows)
+    evict_planned(plan, state.layout.sparse_slots.values(), state.lanes, state.policy)
+    n = len(rows)
+    q, k, v = torch.randn(n, H_KV * G, D), torch.randn(n, H_KV, D), torch.randn(n, H_KV, D)
+    for slot in state.layout.sparse_slots.values():
+        sparse_decode(q, k, v, 0.3, plan, plan.column(slot), state.lanes[slot.lane], state.policy, positions)
+    state.finish_forward()
+    return plan
+
+
+def test_requests_with_different_settings_in_one_batch_each_keep_their_own():
+    """Server budget 8, a request's own 12, and one with sparsity off, prefilled and decoded
+    together: each keeps, compresses, evicts and is charged at its own budget, and every row
+    comes back when they finish."""
+    torch.manual_seed(0)
+    state, heap = make_state(context=64, budget=8, window=2, evict_page=16, rows=512, max_request_budget=40)
+    group = state.groups[0]
+    settings = [SERVER_SETTING, RequestSparsity(budget=12), RequestSparsity(enabled=False)]
+    rows, prompt = [1, 2, 3], 20
+    state.expect(rows, [40, 40, 30], [prompt] * 3, settings)
+    # Charged before any row is taken: entries up to budget + evict_page, and scores (8 a row) if it evicts.
+    charges = [state.row_rows_to_hold(row, final) for row, final in zip(rows, [40, 40, 30])]
+    assert charges == [3 * (24 + 3), 3 * (28 + 4), 3 * 30]
+    grow(state, rows, [prompt] * 3)
+    assert group.table.lengths[rows].tolist() == [8, 12, 20]
+    assert [state.rows_held(row) for row in rows] == [3 * (8 + 3), 3 * (12 + 4), 3 * 20]
+    plan = forward_prefill(state, rows, [prompt] * 3)
+    column = plan.column(state.layout.sparse_slots[1])
+    assert column.compress and column.budgets.tolist() == [8, 12, 40]
+
+    lengths = {row: prompt for row in rows}
+    for step in range(17):
+        decoding = [row for row in rows if lengths[row] < (30 if row == 3 else 40)]
+        grow(state, decoding, [lengths[row] + 1 for row in decoding])
+        plan = forward_decode(state, decoding, torch.tensor([lengths[row] for row in decoding]))
+        evictions = plan.column(state.layout.sparse_slots[1]).evictions
+        if step < 16:  # rows 1 and 2 fill up to 24 and 28 entries, row 3 holds all it has
+            assert not evictions
+        else:  # both evict in the same step, each back to its own budget
+            assert sorted((e.budget, e.slots.shape[1]) for e in evictions) == [(8, 24), (12, 28)]
+        for row in decoding:
+            lengths[row] += 1
+        if lengths[3] == 30 and state.running[3]:
+            assert group.table.length(3) == 30  # off: every token, never a score row
+            assert state.rows_held(3) == 3 * 30
+            state.free(3)
+    assert group.table.lengths[[1, 2]].tolist() == [9, 13]
+    state.expect([2], [40], [prompt], [settings[1]])  # as SGLang does for a chunked prompt's next chunk
+    assert collect(state, heap.free_rows()).requests_by_setting == {"server": 1, "budget 12": 1, "off": 1}
+    state.free(1)
+    state.free(2)
+    state.finish_forward()
+    assert heap.free_rows() == 512
