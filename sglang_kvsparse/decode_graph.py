@@ -7,7 +7,9 @@ to `max_bs` requests at the group's widest row (at the largest budget a request 
 Before a replay, the step's plan is built as for an eager step (`planning.plan_decode`), its
 evictions run (`sparse_attention.evict_planned`: their shapes vary, so they stay outside the
 graph), and `fill` copies its tables into the buffers; rows of the captured batch past the real
-ones get no keys (a zero output) and store their token in the padding row. No SGLang imports.
+ones get no keys (a zero output) and store their token in the padding row. Every request is
+scored by the server's policy there (a request's own policy needs the eager step, `sparse_decode`).
+No SGLang imports.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class DecodeBuffers:
         rows past its batch get no keys and store into the padding row (slot 0)."""
         if len(plan.decode_tables) != len(self.tables):
             raise ValueError("fill takes a decode plan of the same state")
+        if plan.policy_groups:
+            raise ValueError("a captured decode step scores with the server's policy: no request may have its own")
         for step, buffers in zip(plan.decode_tables, self.tables):
             bs, width = step.entries.shape[:2]
             if bs > self.max_bs or width > buffers.entries.shape[1]:

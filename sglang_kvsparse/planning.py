@@ -16,19 +16,32 @@ from dataclasses import dataclass
 import torch
 
 from sglang_kvsparse.layout import SparseSlot
+from sglang_kvsparse.policies import ScoringPolicy
 from sglang_kvsparse.row_table import HeapError
 from sglang_kvsparse.sparse_state import SparseGroup, SparseState
 
 
 @dataclass(frozen=True)
 class Eviction:
-    """The decode evictions of one column's requests that keep the same `budget`: `slots`
-    [N, max_entries] their old rows, in position order, `score_slots` their score slots; the
-    forward keeps `budget` of each request's in its first `budget` rows."""
+    """The decode evictions of one column's requests that keep the same `budget` by the same
+    `policy` (None: the server's): `slots` [N, max_entries] their old rows, in position order,
+    `score_slots` their score slots; the forward keeps `budget` of each request's in its first
+    `budget` rows."""
 
     budget: int
     slots: torch.Tensor
     score_slots: torch.Tensor
+    policy: ScoringPolicy | None = None
+
+
+@dataclass(frozen=True)
+class PolicyGroup:
+    """The requests of a batch that one policy serves: `rows` [n] their places in the batch and
+    `mask` [B] the same as a mask, both on the device (None: every request)."""
+
+    policy: ScoringPolicy
+    rows: torch.Tensor | None
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -97,6 +110,8 @@ class ForwardPlan:
     the requests that keep entries: a chunk before a prompt's last keeps none (its tokens are
     only stored), and `kept_positions` are then the sequence positions of the requests that do.
     `store_positions`: which of the batch's new tokens the columns' `store_slots` store.
+    `policy_groups`: when some request has a policy of its own, every policy of the batch with its
+    requests (empty: the server's policy serves them all).
     """
 
     qo_indptr: torch.Tensor
@@ -110,6 +125,7 @@ class ForwardPlan:
     kept_positions: torch.Tensor | None = None
     store_positions: torch.Tensor | None = None
     decode_tables: tuple[DecodeTables, ...] = ()  # [group], decode plans only
+    policy_groups: tuple[PolicyGroup, ...] = ()
 
     def column(self, slot: SparseSlot) -> ColumnPlan:
         return self.columns[slot.group][slot.column]
@@ -195,6 +211,7 @@ def plan_extend(
         state.config.sink,
         state.config.window,
         store_positions=None if store_positions is None else store_positions.to(device),
+        policy_groups=_policy_groups(state, index, device),
     )
     state.prefilled[index[~partial]] = True
     if bool(partial.any()):
@@ -228,10 +245,10 @@ def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | 
         if group.evictions:
             stray = sorted(group.evictions)
             raise HeapError(f"rows {stray} evicted but are not in this decode batch ({sorted(listed)})")
-        by_budget: dict[int, list[int]] = {}
+        kinds: dict[tuple[int, ScoringPolicy | None], list[int]] = {}
         for row, budget in zip(rows, state.budgets(group, torch.tensor(rows, dtype=torch.int64)).tolist()):
-            by_budget.setdefault(budget, []).append(row)
-        evictions = [_evictions(state, group, budget, members, olds, device) for budget, members in by_budget.items()]
+            kinds.setdefault((budget, state.request_policy[row]), []).append(row)
+        evictions = [_evictions(state, group, kind, members, olds, device) for kind, members in kinds.items()]
         state.counters.evictions += len(rows)
         columns.append(
             tuple(
@@ -240,26 +257,50 @@ def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | 
         )
     ones = torch.ones(len(index), dtype=torch.int64)
     return ForwardPlan(
-        _indptr(ones, device), tuple(columns), state.config.sink, state.config.window, decode_tables=tuple(tables)
+        _indptr(ones, device),
+        tuple(columns),
+        state.config.sink,
+        state.config.window,
+        decode_tables=tuple(tables),
+        policy_groups=_policy_groups(state, index, device),
     )
+
+
+def _policy_groups(state: SparseState, index: torch.Tensor, device: torch.device | str) -> tuple[PolicyGroup, ...]:
+    """Every policy of the batch of request rows `index` with its requests, when some request has
+    its own (none otherwise)."""
+    policies = [state.request_policy[row] for row in index.tolist()]
+    if all(policy is None for policy in policies):
+        return ()
+    members: dict[ScoringPolicy, list[int]] = {}
+    for place, policy in enumerate(policies):
+        members.setdefault(policy or state.policy, []).append(place)
+    groups = []
+    for policy, places in members.items():
+        rows = torch.tensor(places, dtype=torch.int64)
+        mask = torch.zeros(len(policies), dtype=torch.bool)
+        mask[rows] = True
+        groups.append(PolicyGroup(policy, rows.to(device), mask.to(device)))
+    return tuple(groups)
 
 
 def _evictions(
     state: SparseState,
     group: SparseGroup,
-    budget: int,
+    kind: tuple[int, ScoringPolicy | None],
     rows: list[int],
     olds: dict[int, torch.Tensor],
     device: torch.device | str,
 ) -> list[Eviction]:
-    """The `Eviction` of each column for these request rows of one budget (their old entries in
-    `olds`, all as long: the budget's max_entries)."""
+    """The `Eviction` of each column for these request rows of one (budget, policy) (their old
+    entries in `olds`, all as long: the budget's max_entries)."""
+    budget, policy = kind
     old = torch.stack([olds[row] for row in rows]).permute(2, 0, 1).to(device)  # [columns, N, n_old]
     n_old = old.shape[2]
     positions = torch.arange(n_old).repeat(len(rows))
     slots = state.score_slots(group, torch.tensor(rows).repeat_interleave(n_old), positions)
     old_scores = slots.T.reshape(group.columns, len(rows), n_old).to(device)
-    return [Eviction(budget, old[c], old_scores[c]) for c in range(group.columns)]
+    return [Eviction(budget, old[c], old_scores[c], policy) for c in range(group.columns)]
 
 
 def _use_store(

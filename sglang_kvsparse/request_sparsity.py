@@ -6,15 +6,17 @@ scheduler:
 
 * ``{"kvsparse": {"budget": N}}``: every sparse layer keeps N entries for this request, in place of
   the server's budgets (sink + window <= N <= the server's `max_request_budget`);
+* ``{"kvsparse": {"policy": "h2o"}}`` (or ``{"name": "span", "follow": 32}``, as in the server's
+  configuration): this request's keys are scored, kept and evicted by that policy, in its own
+  units, whatever the server's policy is; with or without a budget;
 * ``{"kvsparse": {"enabled": false}}``: the request keeps every token in every layer, as in stock
   SGLang; its prompt plus max_new_tokens must be at most `max_request_budget`, so that its sparse
   rows hold it whole (they are sized by it).
 
 The HTTP process refuses a bad setting before the request is queued (`check_request`: a 400
 naming the field); admission charges each request the rows its own setting holds, and the sparse
-layers keep, compress and evict each request to its own budget (`SparseState.expect`).
-A per-request scoring policy is not offered: the policy's scores live in the heap in its own
-units, and a decode step updates every row of a batch the same way.
+layers keep, compress and evict each request to its own budget by its own policy
+(`SparseState.expect`, `planning.PolicyGroup`).
 """
 
 from __future__ import annotations
@@ -23,29 +25,36 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_kvsparse.config import ResolvedSparsity
+from sglang_kvsparse.config.parsing import parse_policy
 from sglang_kvsparse.config.schema import is_int
+from sglang_kvsparse.policies import ScoringPolicy
 
 #: The key of `custom_params` this project reads.
 REQUEST_KEY = "kvsparse"
 #: How errors name the field.
 FIELD = f"custom_params.{REQUEST_KEY}"
 #: What a request may set.
-KNOWN_KEYS = ("budget", "enabled")
+KNOWN_KEYS = ("budget", "policy", "enabled")
 
 
 @dataclass(frozen=True)
 class RequestSparsity:
-    """A request's setting: the server's (`budget` None, on), its own budget, or off."""
+    """A request's setting: the server's (`budget` and `policy` None, on), its own budget and/or
+    policy, or off."""
 
     budget: int | None = None
+    policy: ScoringPolicy | None = None
     enabled: bool = True
 
     @property
     def label(self) -> str:
-        """How `/kvsparse/stats` counts it: "server", "budget N" or "off"."""
+        """How `/kvsparse/stats` counts it: "server", "off", or its own parts, e.g. "budget 64,
+        policy h2o"."""
         if not self.enabled:
             return "off"
-        return "server" if self.budget is None else f"budget {self.budget}"
+        parts = [] if self.budget is None else [f"budget {self.budget}"]
+        parts += [] if self.policy is None else [f"policy {self.policy.describe()}"]
+        return ", ".join(parts) or "server"
 
     def row_budget(self, resolved: ResolvedSparsity) -> int:
         """The budget its sparse rows keep in every group: 0 for the server's budgets; off keeps
@@ -72,11 +81,13 @@ def parse_request(custom_params: Any, resolved: ResolvedSparsity) -> RequestSpar
     enabled = value.get("enabled", True)
     if not isinstance(enabled, bool):
         raise ValueError(f"{FIELD}.enabled: expected true or false, got {enabled!r}")
-    budget = value.get("budget")
+    budget, policy = value.get("budget"), value.get("policy")
+    if not enabled and (budget is not None or policy is not None):
+        raise ValueError(f"{FIELD}: enabled: false keeps every token; give it without budget or policy")
+    if policy is not None:
+        policy = parse_policy(policy, f"{FIELD}.policy")
     if budget is None:
-        return RequestSparsity(enabled=enabled)
-    if not enabled:
-        raise ValueError(f"{FIELD}: give either budget or enabled: false, not both")
+        return RequestSparsity(policy=policy, enabled=enabled)
     config = resolved.config
     if not is_int(budget):
         raise ValueError(f"{FIELD}.budget: expected an integer, got {budget!r}")
@@ -89,7 +100,7 @@ def parse_request(custom_params: Any, resolved: ResolvedSparsity) -> RequestSpar
             f"{FIELD}.budget: {budget} is above this server's max_request_budget ({resolved.request_cap}; "
             "start it with a larger --kvsparse-max-request-budget)"
         )
-    return RequestSparsity(budget=budget)
+    return RequestSparsity(budget=budget, policy=policy)
 
 
 def check_request(

@@ -13,9 +13,9 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from sglang_kvsparse import kernels
-from sglang_kvsparse.kernels.common import positions_in_segment
+from sglang_kvsparse.kernels.common import positions_in_segment, segment_ids
 from sglang_kvsparse.layout import SparseSlot
-from sglang_kvsparse.planning import ColumnPlan, ForwardPlan, MixedPlan
+from sglang_kvsparse.planning import ColumnPlan, ForwardPlan, MixedPlan, PolicyGroup
 from sglang_kvsparse.policies import PrefillScoringInputs, ScoringPolicy
 from sglang_kvsparse.sparse_state import LaneBuffers
 
@@ -38,6 +38,7 @@ def sparse_extend(
     (`new_key_scores`: zero for the attention-based ones); otherwise `policy` scores the keys (SnapKV:
     the observation window's attention, pooled), `select_kept` keeps sink + window + the best up to
     each request's budget per KV head, and the kept K/V and scores are scattered into its rows.
+    `policy` is the server's; a request with its own is scored by it (`plan.policy_groups`).
     Either way the prefix was read, not written: the row gets copies. The new tokens' K/V also go
     to their store slots, for later requests that share this prompt; a chunk before its prompt's
     last is only stored (`plan.keeps`). Returns [T, H_q, D].
@@ -49,17 +50,23 @@ def sparse_extend(
     )
     if column.store_slots is not None and column.store_slots.numel():
         _store(buffers, column.store_slots, k[plan.store_positions], v[plan.store_positions])
+    requests = segment_ids(kv_indptr, k_all.shape[0])  # each key's request in the batch
     if not column.compress:
         in_sequence = positions_in_segment(kv_indptr, k_all.shape[0])
         if plan.kept_positions is not None:
             k_all, v_all = k_all[plan.kept_positions], v_all[plan.kept_positions]
-            in_sequence = in_sequence[plan.kept_positions]
+            in_sequence, requests = in_sequence[plan.kept_positions], requests[plan.kept_positions]
         _store(buffers, column.new_slots, k_all, v_all)
         # Scored as decoded keys are, so that later evictions compare them in the policy's units.
-        buffers.scores[column.new_score_slots] = policy.new_key_scores(k_all, in_sequence)
+        for group in policy_groups(plan, policy):
+            keys = slice(None) if group.mask is None else group.mask[requests]
+            buffers.scores[column.new_score_slots[keys]] = group.policy.new_key_scores(k_all[keys], in_sequence[keys])
         return o
     inputs = PrefillScoringInputs(q, k_all, lse, plan.qo_indptr, kv_indptr, positions, sm_scale, plan.window)
-    scores = policy.score(inputs)
+    scores = None
+    for group in policy_groups(plan, policy):
+        mine = group.policy.score(inputs)  # of the whole batch: a batch mixes policies rarely
+        scores = mine if scores is None else torch.where(group.mask[requests][:, None], mine, scores)
     kept, kept_lens = kernels.select_kept(scores, kv_indptr, column.budgets, plan.sink, plan.window)
     if plan.keeps is not None:
         kept_lens = kept_lens * plan.keeps
@@ -70,6 +77,12 @@ def sparse_extend(
     buffers.v[dst, heads] = v_all[src, heads].to(buffers.v.dtype)
     buffers.scores[column.new_score_slots[:, None], heads] = scores[src, heads]
     return o
+
+
+def policy_groups(plan: ForwardPlan, policy: ScoringPolicy) -> tuple[PolicyGroup, ...]:
+    """The plan's policies with their requests; without any of a request's own, the server's
+    `policy` for every request (`rows` and `mask` None)."""
+    return plan.policy_groups or (PolicyGroup(policy, None, None),)
 
 
 def sequence_kv(
@@ -121,19 +134,40 @@ def sparse_decode(
     every kept key's score with its attention as the policy says (`score_update`: H2O-style
     accumulation by default), which the next eviction reads. Every shape here is fixed by the
     plan (no value is read back), so the step queues its work without waiting on the device and
-    can be captured in a CUDA graph.
+    can be captured in a CUDA graph. A batch whose requests' own policies update scores in
+    different ways runs the kernel once per policy, on its requests.
     """
     _store(buffers, column.new_slots, k, v)
-    buffers.scores[column.new_score_slots] = policy.new_key_scores(k, positions)
+    groups = policy_groups(plan, policy)
+    for group in groups:
+        rows = slice(None) if group.rows is None else group.rows
+        buffers.scores[column.new_score_slots[rows]] = group.policy.new_key_scores(k[rows], positions[rows])
+    if len({group.policy.score_update for group in groups}) == 1:
+        return _decode(q, column, buffers, sm_scale, groups[0].policy, slice(None))
+    out = torch.empty_like(q)
+    for group in groups:
+        out[group.rows] = _decode(q, column, buffers, sm_scale, group.policy, group.rows)
+    return out
+
+
+def _decode(
+    q: torch.Tensor,
+    column: ColumnPlan,
+    buffers: LaneBuffers,
+    sm_scale: float,
+    policy: ScoringPolicy,
+    rows: slice | torch.Tensor,
+) -> torch.Tensor:
+    """The decode kernel over the batch's `rows`, updating scores as `policy` says."""
     return kernels.decode_attention_with_scores(
-        q,
+        q[rows],
         buffers.k,
         buffers.v,
-        column.kv_lens,
-        column.kv_indices,
+        column.kv_lens[rows],
+        column.kv_indices[rows],
         buffers.scores,
         sm_scale,
-        score_indices=column.score_indices,
+        score_indices=column.score_indices[rows],
         score_update=policy.score_update,
     )
 
@@ -155,7 +189,7 @@ def evict_planned(
                 eviction.budget,
                 plan.sink,
                 plan.window,
-                policy,
+                eviction.policy or policy,
             )
 
 

@@ -7,8 +7,8 @@ release path (finish, abort, retraction). It owns, per group of sparse columns (
 themselves come from the one KV heap (`HeapRows`: SGLang's token allocator), shared with SGLang's
 full layers.
 
-Each request keeps its own budget (`request_sparsity.py`: the server's by default, or the one
-its `custom_params` ask for, which `expect` records); "budget" below is the request's.
+Each request keeps its own budget and policy (`request_sparsity.py`: the server's by default, or
+those its `custom_params` ask for, which `expect` records); "budget" below is the request's.
 
 Lifecycle of a row in one group: a prefill keeps min(length, budget) entries (the forward fills
 them, compressing when the prompt is longer than the budget); each decode step appends one. A
@@ -45,6 +45,7 @@ import torch
 from sglang_kvsparse.config import ResolvedSparsity
 from sglang_kvsparse.contracts import HeapRows
 from sglang_kvsparse.layout import GroupSpec, HeapLayout, round_up, scores_per_row
+from sglang_kvsparse.policies import ScoringPolicy
 from sglang_kvsparse.prefix_store import PrefixStore
 from sglang_kvsparse.request_sparsity import SERVER_SETTING, RequestSparsity
 from sglang_kvsparse.row_table import HeapError, HeapExhausted, RowTable
@@ -176,6 +177,7 @@ class SparseState:
         self.partial = torch.zeros(max_requests, dtype=torch.bool)  # rows between chunks of their prefill
         self.prefilled = torch.zeros(max_requests, dtype=torch.bool)  # rows whose prefill was planned: decoding
         self.request_budget = torch.zeros(max_requests, dtype=torch.int64)  # a request's own budget, 0: the groups'
+        self.request_policy: list[ScoringPolicy | None] = [None] * max_requests  # its own policy, None: the server's
         self._held: dict[int, torch.Tensor] = {}  # partial row -> the store blocks it holds
         self._forgets: list[torch.Tensor] | None = None  # SGLang frees held back (`adopting`)
         self.counters = Counters()
@@ -215,6 +217,7 @@ class SparseState:
         self.partial[row] = False
         self.prefilled[row] = False
         self.request_budget[row] = 0
+        self.request_policy[row] = None
         self._release_held(row)
         for group in self.groups:
             group.evictions.pop(row, None)
@@ -242,6 +245,8 @@ class SparseState:
             self.fill_len[index] = torch.tensor(fill_lens, dtype=torch.int64)
         settings = settings if settings is not None else [SERVER_SETTING] * len(rows)
         self.request_budget[index] = torch.tensor([s.row_budget(self.resolved) for s in settings], dtype=torch.int64)
+        for row, setting in zip(rows, settings):
+            self.request_policy[row] = setting.policy
         counts = self.counters.requests_by_setting
         for setting, continuing in zip(settings, self.running[index].tolist()):
             if not continuing:  # a chunked prompt's later chunks keep the row it got first
@@ -269,6 +274,7 @@ class SparseState:
         self.partial.zero_()
         self.prefilled.zero_()
         self.request_budget.zero_()
+        self.request_policy = [None] * len(self.request_policy)
         self._held.clear()
         self._deferred.clear()
         if self.store is not None:

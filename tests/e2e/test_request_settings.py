@@ -1,7 +1,7 @@
 """Per-request sparsity (`custom_params` {"kvsparse": ...}) on the evicting server: budget 256,
 and a request may ask for any budget up to 1,024 or turn sparsity off (`EVICTING_ARGS`).
 
-Requests with different settings run in one batch, each keeps what its own setting says (the
+Requests with different settings (budget, policy, off) run in one batch, each keeps what its own setting says (the
 stats while it runs, its output: sparsity off gives stock's tokens), and bad values are refused
 with a 400 naming the field, on `/generate` and on the OpenAI endpoints."""
 
@@ -45,20 +45,21 @@ def complete(server, custom_params: dict, max_tokens: int = 32) -> requests.Resp
 
 
 def test_requests_with_their_own_settings_share_a_batch(evicting_server, stock_server):
-    """Sparsity off, a budget of 64 and (through the OpenAI endpoint) one of 128, sent together:
-    the one with sparsity off answers stock's tokens, and the stats count each setting once."""
+    """Sparsity off, a budget of 64 and (through the OpenAI endpoint) one of 128 scored by H2O,
+    sent together: the one with sparsity off answers stock's tokens, and the stats count each
+    setting once."""
     before = evicting_server.stats()["requests_by_setting"]
     with ThreadPoolExecutor(3) as pool:
         off = pool.submit(generate, evicting_server, OFF)
         small = pool.submit(generate, evicting_server, {"kvsparse": {"budget": 64}})
-        openai = pool.submit(complete, evicting_server, {"kvsparse": {"budget": 128}})
+        openai = pool.submit(complete, evicting_server, {"kvsparse": {"budget": 128, "policy": "h2o"}})
         off, small, openai = off.result(), small.result(), openai.result()
     openai.raise_for_status()
     assert off["output_ids"] == stock_server.generate(PROMPT, 32, ignore_eos=True)["output_ids"]
     assert len(small["output_ids"]) == 32 and openai.json()["usage"]["completion_tokens"] == 32
     after = assert_at_rest(evicting_server)["requests_by_setting"]
     added = {setting: count - before.get(setting, 0) for setting, count in after.items()}
-    assert {setting: n for setting, n in added.items() if n} == {"off": 1, "budget 64": 1, "budget 128": 1}
+    assert {setting: n for setting, n in added.items() if n} == {"off": 1, "budget 64": 1, "budget 128, policy h2o": 1}
 
 
 def sparse_entries_while_running(server, custom_params: dict) -> tuple[set[int], int]:
@@ -100,6 +101,7 @@ def test_a_running_request_holds_what_its_own_setting_keeps(evicting_server):
         ({"kvsparse": {"budget": 8}}, "custom_params.kvsparse.budget: 8 is smaller than the server's sink + window"),
         ({"kvsparse": {"budgets": 64}}, "custom_params.kvsparse: unknown key 'budgets'"),
         ({"kvsparse": "off"}, "custom_params.kvsparse: expected an object"),
+        ({"kvsparse": {"policy": "lru"}}, "custom_params.kvsparse.policy: unknown policy 'lru'"),
     ],
 )
 def test_a_bad_setting_is_a_400_naming_the_field(evicting_server, custom_params, message):

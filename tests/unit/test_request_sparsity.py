@@ -2,12 +2,15 @@
 requests with different settings in one batch of the sparse state, without SGLang."""
 
 import json
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from sglang_kvsparse.config import SparsityConfig, SparsityConfigError, parse_config
+from sglang_kvsparse.decode_graph import DecodeBuffers
 from sglang_kvsparse.planning import plan_decode, plan_extend
+from sglang_kvsparse.policies import POLICIES, SnapKVPolicy, SpanPolicy
 from sglang_kvsparse.request_sparsity import SERVER_SETTING, RequestSparsity, check_request, parse_request
 from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
 from sglang_kvsparse.stats import collect
@@ -30,19 +33,30 @@ def test_a_request_asks_for_its_own_budget_or_for_no_sparsity():
     off = check_request({"kvsparse": {"enabled": False}}, 400, 112, RESOLVED)
     assert (off.label, off.row_budget(RESOLVED)) == ("off", 512)  # every token of a 512-token request
     assert parse_request({"kvsparse": {"enabled": True}}, RESOLVED) == SERVER_SETTING
+    both = parse_request({"kvsparse": {"budget": 30, "policy": {"name": "span", "follow": 32}}}, RESOLVED)
+    assert both == RequestSparsity(budget=30, policy=SpanPolicy(follow=32))
+    assert both.label == "budget 30, policy span (pool_kind max, pool_kernel 7, follow 32)"
+    assert parse_request({"kvsparse": {"policy": "h2o"}}, RESOLVED).label == "policy h2o"
 
 
 @pytest.mark.parametrize(
     "value, message",
     [
         (256, 'custom_params.kvsparse: expected an object such as {"budget": 256}, got 256'),
-        ({"budgte": 8}, "custom_params.kvsparse: unknown key 'budgte' (known: budget, enabled)"),
+        ({"budgte": 8}, "custom_params.kvsparse: unknown key 'budgte' (known: budget, policy, enabled)"),
         ({"enabled": "no"}, "custom_params.kvsparse.enabled: expected true or false, got 'no'"),
         ({"budget": "64"}, "custom_params.kvsparse.budget: expected an integer, got '64'"),
         ({"budget": True}, "custom_params.kvsparse.budget: expected an integer, got True"),
         ({"budget": 19}, "custom_params.kvsparse.budget: 19 is smaller than the server's sink + window (4 + 16)"),
         ({"budget": 513}, "custom_params.kvsparse.budget: 513 is above this server's max_request_budget (512;"),
-        ({"budget": 64, "enabled": False}, "custom_params.kvsparse: give either budget or enabled: false"),
+        ({"budget": 64, "enabled": False}, "custom_params.kvsparse: enabled: false keeps every token; give it without"),
+        (
+            {"policy": "h2o", "enabled": False},
+            "custom_params.kvsparse: enabled: false keeps every token; give it without",
+        ),
+        ({"policy": "lru"}, "custom_params.kvsparse.policy: unknown policy 'lru' (known: h2o, keynorm, snapkv, span,"),
+        ({"policy": {"name": "span", "follow": -1}}, "custom_params.kvsparse.policy.follow: expected an integer >= 0"),
+        ({"policy": {"follow": 8}}, "custom_params.kvsparse.policy: expected a policy name or an object with a 'name'"),
     ],
 )
 def test_a_bad_setting_is_refused_naming_the_field(value, message):
@@ -134,3 +148,86 @@ def test_requests_with_different_settings_in_one_batch_each_keep_their_own():
     state.free(2)
     state.finish_forward()
     assert heap.free_rows() == 512
+
+
+@dataclass(frozen=True)
+class LowestFirst(SnapKVPolicy):
+    """SnapKV whose decode evictions keep the lowest-scored entries, so that an eviction ranked by
+    another policy's rule shows. (`span` would too, but its spread scores tie, and which of equal
+    scores `select_kept` keeps depends on the batch's shape.)"""
+
+    name = "lowest-first"
+
+    def eviction_scores(self, scores: torch.Tensor, row_indptr: torch.Tensor) -> torch.Tensor:
+        return -scores
+
+
+def run_requests(state, rows, settings, prompts, steps):
+    """Prefill `prompts` ([L, ...] q/k/v per request) as one batch, then decode them `steps` times
+    together (inputs of step t: row t of each request's `steps` decode inputs)."""
+    lengths = [prompt[0].shape[0] for prompt in prompts]
+    state.expect(rows, [n + len(steps[0][0]) for n in lengths], lengths, settings)
+    grow(state, rows, lengths)
+    plan = plan_extend(state, rows, [0] * len(rows), lengths)
+    q, k, v = (torch.cat([prompt[i] for prompt in prompts]) for i in range(3))
+    for slot in state.layout.sparse_slots.values():
+        sparse_extend(q, k, v, 0.3, plan, plan.column(slot), state.lanes[slot.lane], state.policy)
+    state.finish_forward()
+    for t in range(len(steps[0][0])):
+        grow(state, rows, [n + t + 1 for n in lengths])
+        plan = plan_decode(state, rows)
+        evict_planned(plan, state.layout.sparse_slots.values(), state.lanes, state.policy)
+        q, k, v = (torch.stack([step[i][t] for step in steps]) for i in range(3))
+        positions = torch.tensor([n + t for n in lengths])
+        for slot in state.layout.sparse_slots.values():
+            sparse_decode(q, k, v, 0.3, plan, plan.column(slot), state.lanes[slot.lane], state.policy, positions)
+        state.finish_forward()
+
+
+def kept(state, row):
+    """Per sparse layer: the K and the scores of the row's entries, in position order."""
+    group = state.groups[0]
+    n = group.table.length(row)
+    held = []
+    for slot in state.layout.sparse_slots.values():
+        lane = state.lanes[slot.lane]
+        entries = group.table.entries(row)[:, slot.column]
+        scores = state.score_slots(group, torch.full((n,), row), torch.arange(n))[:, slot.column]
+        held.append((lane.k[entries].clone(), lane.scores[scores].clone()))
+    return held
+
+
+@pytest.mark.parametrize("server_policy", ["snapkv", "tova"])
+def test_a_request_with_its_own_policy_keeps_what_a_server_of_that_policy_keeps(server_policy):
+    """Three requests, the server's policy and two of their own (score updates that differ: TOVA
+    replaces, StreamingLLM leaves, SnapKV and H2O add; `LowestFirst` ranks an eviction its own
+    way), prefilled past their budget and decoded past an eviction in one batch: each keeps the
+    K and the scores it keeps alone on a server whose policy is its own."""
+    torch.manual_seed(3)
+    other = POLICIES["streamingllm"]() if server_policy == "snapkv" else POLICIES["h2o"]()
+    own = [None, other, LowestFirst(pool_kernel=1)]
+    server = SnapKVPolicy(pool_kernel=1) if server_policy == "snapkv" else POLICIES["tova"]()
+    prompts = [(torch.randn(n, H_KV * G, D), torch.randn(n, H_KV, D), torch.randn(n, H_KV, D)) for n in (20, 26, 22)]
+    steps = [(torch.randn(20, H_KV * G, D), torch.randn(20, H_KV, D), torch.randn(20, H_KV, D)) for _ in prompts]
+    options = dict(context=64, budget=8, window=2, evict_page=16, rows=512)
+    mixed, _ = make_state(policy=server, **options)
+    settings = [RequestSparsity(policy=policy) for policy in own]
+    run_requests(mixed, [1, 2, 3], settings, prompts, steps)
+    assert sum(collect(mixed, 0).requests_by_setting.values()) == 3
+    for row, policy, prompt, step in zip([1, 2, 3], own, prompts, steps):
+        alone, _ = make_state(policy=policy or server, **options)
+        run_requests(alone, [1], [SERVER_SETTING], [prompt], [step])
+        assert mixed.groups[0].table.length(row) == alone.groups[0].table.length(1) == 8 + 20 - 16  # evicted once
+        for (k_mixed, s_mixed), (k_alone, s_alone) in zip(kept(mixed, row), kept(alone, 1)):
+            torch.testing.assert_close(k_mixed, k_alone, rtol=0, atol=0)
+            torch.testing.assert_close(s_mixed, s_alone, rtol=1e-5, atol=1e-6)
+
+
+def test_a_captured_decode_step_refuses_a_request_with_its_own_policy():
+    state, _ = make_state(context=64, budget=8, window=2, rows=512)
+    state.expect([1, 2], [30, 30], [10, 10], [SERVER_SETTING, RequestSparsity(policy=POLICIES["h2o"]())])
+    grow(state, [1, 2], [10, 10])
+    plan_extend(state, [1, 2], [0, 0], [10, 10])
+    grow(state, [1, 2], [11, 11])
+    with pytest.raises(ValueError, match="a captured decode step scores with the server's policy"):
+        DecodeBuffers(state, 4, "cpu").fill(plan_decode(state, [1, 2]))
