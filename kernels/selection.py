@@ -123,7 +123,8 @@ def select_kept(
         ``(kept, kept_lens)``: kept [B, H_kv, budget_eff] int64 positions (0-based within the
         request, ascending per head, padded with -1), budget_eff = min(largest budget, longest
         request); kept_lens [B] int64 = min(budget, length). A request no longer than its budget
-        keeps all.
+        keeps all; of equal scores the earlier positions, so a request keeps the same alone or
+        in any batch.
     """
     device = scores.device
     total, heads = scores.shape
@@ -155,7 +156,9 @@ def select_kept(
     # Rank: protected first (+inf), then by score; padding of short requests last (-inf).
     rank = torch.full((batch, max_len, heads), float("-inf"), dtype=torch.float32, device=device)
     rank[seg, pos] = torch.where(protected[:, None], float("inf"), scores.float())
-    top = torch.topk(rank, keep, dim=1).indices  # [B, keep, H]
+    # A stable sort, not topk: of equal scores (pooling and `span` make many) the earliest
+    # positions win whatever else is in the batch, where topk's choice depends on the batch.
+    top = torch.sort(rank, dim=1, descending=True, stable=True).indices[:, :keep]  # [B, keep, H]
     top = torch.where(torch.arange(keep, device=device)[None, :, None] < kept_lens[:, None, None], top, max_len)
     kept = torch.sort(top, dim=1).values
     kept = torch.where(kept == max_len, -1, kept)

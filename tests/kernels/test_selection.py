@@ -114,6 +114,20 @@ def test_select_with_each_requests_own_budget_matches_naive_per_request():
         select_kept(scores, indptr_from_lens(LENS, "cpu"), torch.tensor([4, 4, 2, 4, 4]), 1, 2)
 
 
+def test_a_request_keeps_the_same_alone_or_in_any_batch_even_with_tied_scores():
+    """Pooled and spread scores tie often; which tied keys survive must not depend on the other
+    requests of the batch (a prefix hit, or a request beside others, keeps what it keeps alone)."""
+    generator = torch.Generator().manual_seed(11)
+    alone = torch.randint(0, 4, (22, 2), generator=generator).float()  # many ties
+    others = torch.randn(26 + 9, 2, generator=generator)
+    kept_alone, _ = select_kept(alone, indptr_from_lens([22], "cpu"), 8, 1, 2)
+    batch = torch.cat([others[:26], alone, others[26:]])
+    kept_batch, _ = select_kept(batch, indptr_from_lens([26, 22, 9], "cpu"), 8, 1, 2)
+    assert torch.equal(kept_batch[1], kept_alone[0])
+    (expected,) = naive_select(alone, [22], 8, 1, 2)  # sorted() is stable: earliest of equal scores
+    assert kept_alone[0].tolist() == expected
+
+
 def test_select_rejects_protected_over_budget():
     with pytest.raises(ValueError):
         select_kept(torch.zeros(10, 1), indptr_from_lens([10], "cpu"), budget=4, sink=2, window=3)
