@@ -21,6 +21,7 @@ from sglang.srt.layers.attention import attention_registry
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_kvsparse.backends import WRAPPED_BACKENDS
+from sglang_kvsparse.guide import PrefillGuide
 from sglang_kvsparse.planning import ForwardPlan, MixedPlan, plan_decode, plan_extend
 from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend, sparse_mixed
 from sglang_kvsparse.sparse_state import SparseState
@@ -42,6 +43,7 @@ class KVSparseBackend(AttentionBackend):
         self.data_type = inner.data_type
         self.kv_cache_dtype = inner.kv_cache_dtype
         self._plan: ForwardPlan | MixedPlan | None = None
+        self._guide: PrefillGuide | None = None
         self._last_sparse_layer = max(state.layout.sparse_slots, default=-1)
 
     # Attributes the base class declares (so __getattr__ would never see them) but the inner
@@ -70,6 +72,7 @@ class KVSparseBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: Any) -> None:
         self.inner.init_forward_metadata(forward_batch)
         mode = forward_batch.forward_mode
+        self._guide = None
         cpu_rows = forward_batch.req_pool_indices_cpu
         rows = (forward_batch.req_pool_indices if cpu_rows is None else cpu_rows).tolist()
         device = self.state.lanes[0].k.device
@@ -89,6 +92,7 @@ class KVSparseBackend(AttentionBackend):
             else:
                 tokens = sum(int(n) for n in forward_batch.extend_seq_lens_cpu[:prefilling])
                 self._plan = MixedPlan(extend, self._plan_decode(rows[prefilling:], device), tokens)
+            self._guide = self._prefill_guide(extend)
         else:
             raise NotImplementedError(f"kvsparse: forward mode {mode} is not supported with sparse layers")
 
@@ -97,6 +101,14 @@ class KVSparseBackend(AttentionBackend):
         plan = plan_decode(self.state, rows, device)
         evict_planned(plan, self.state.layout.sparse_slots.values(), self.state.lanes, self.state.policy)
         return plan
+
+    def _prefill_guide(self, plan: ForwardPlan) -> PrefillGuide | None:
+        """A guide for this prefill when the configuration names guide layers and some sparse
+        layer selects (a prompt is longer than its budget)."""
+        guide_layers = self.state.resolved.guide_layers
+        if guide_layers and any(column.compress for group in plan.columns for column in group):
+            return PrefillGuide(guide_layers)
+        return None
 
     def _plan_extend(self, forward_batch: Any, rows: list[int], device: Any) -> ForwardPlan:
         """The prefill plan of the batch's first len(rows) requests."""
@@ -114,9 +126,11 @@ class KVSparseBackend(AttentionBackend):
         slot = self.state.layout.sparse_slots[layer.layer_id]
         lane, policy = self.state.lanes[slot.lane], self.state.policy
         if isinstance(self._plan, MixedPlan):
-            o = sparse_mixed(q3, k, v, layer.scaling, self._plan, slot, lane, policy, forward_batch.positions)
+            plan, positions = self._plan, forward_batch.positions
+            o = sparse_mixed(q3, k, v, layer.scaling, plan, slot, lane, policy, positions, layer.layer_id, self._guide)
         else:
-            o = sparse_extend(q3, k, v, layer.scaling, self._plan, self._plan.column(slot), lane, policy)
+            column = self._plan.column(slot)
+            o = sparse_extend(q3, k, v, layer.scaling, self._plan, column, lane, policy, layer.layer_id, self._guide)
         self._after_sparse_layer(layer.layer_id)
         return o.reshape(q3.shape[0], -1)
 
@@ -134,6 +148,9 @@ class KVSparseBackend(AttentionBackend):
 
     def _after_sparse_layer(self, layer_id: int) -> None:
         if layer_id == self._last_sparse_layer:
+            if self._guide is not None:
+                self._guide.finish()
+                self._guide = None
             self.state.finish_forward()
 
     def support_triton(self) -> bool:

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from sglang_kvsparse import kernels
+from sglang_kvsparse.guide import PrefillGuide
 from sglang_kvsparse.kernels.common import positions_in_segment, segment_ids
 from sglang_kvsparse.layout import SparseSlot
 from sglang_kvsparse.planning import ColumnPlan, ForwardPlan, MixedPlan, PolicyGroup
@@ -29,6 +30,8 @@ def sparse_extend(
     column: ColumnPlan,
     buffers: LaneBuffers,
     policy: ScoringPolicy,
+    layer_id: int = -1,
+    guide: PrefillGuide | None = None,
 ) -> torch.Tensor:
     """Prefill: attend over each request's whole sequence, then store what is kept.
 
@@ -39,44 +42,86 @@ def sparse_extend(
     the observation window's attention, pooled), `select_kept` keeps sink + window + the best up to
     each request's budget per KV head, and the kept K/V and scores are scattered into its rows.
     `policy` is the server's; a request with its own is scored by it (`plan.policy_groups`).
-    Either way the prefix was read, not written: the row gets copies. The new tokens' K/V also go
-    to their store slots, for later requests that share this prompt; a chunk before its prompt's
-    last is only stored (`plan.keeps`). Returns [T, H_q, D].
+    With a `guide` (`sglang_kvsparse/guide.py`), a guide layer adds its scores to it, and the
+    selection waits for the guide and keeps by its scores. Either way the prefix was read, not
+    written: the row gets copies. The new tokens' K/V also go to their store slots, for later
+    requests that share this prompt; a chunk before its prompt's last is only stored
+    (`plan.keeps`). Returns [T, H_q, D].
     """
     k_all, v_all, kv_indptr = sequence_kv(k, v, plan, column, buffers)
     positions = torch.arange(k_all.shape[0], device=k.device, dtype=torch.int64)
+    guiding = guide is not None and guide.guides(layer_id)
     o, lse = kernels.extend_attention_with_stats(
-        q, k_all, v_all, plan.qo_indptr, kv_indptr, positions, sm_scale, with_stats=column.compress
+        q, k_all, v_all, plan.qo_indptr, kv_indptr, positions, sm_scale, with_stats=column.compress or guiding
     )
     if column.store_slots is not None and column.store_slots.numel():
         _store(buffers, column.store_slots, k[plan.store_positions], v[plan.store_positions])
     requests = segment_ids(kv_indptr, k_all.shape[0])  # each key's request in the batch
-    if not column.compress:
-        in_sequence = positions_in_segment(kv_indptr, k_all.shape[0])
-        if plan.kept_positions is not None:
-            k_all, v_all = k_all[plan.kept_positions], v_all[plan.kept_positions]
-            in_sequence, requests = in_sequence[plan.kept_positions], requests[plan.kept_positions]
-        _store(buffers, column.new_slots, k_all, v_all)
-        # Scored as decoded keys are, so that later evictions compare them in the policy's units.
-        for group in policy_groups(plan, policy):
-            keys = slice(None) if group.mask is None else group.mask[requests]
-            buffers.scores[column.new_score_slots[keys]] = group.policy.new_key_scores(k_all[keys], in_sequence[keys])
-        return o
-    inputs = PrefillScoringInputs(q, k_all, lse, plan.qo_indptr, kv_indptr, positions, sm_scale, plan.window)
     scores = None
+    if column.compress or guiding:
+        inputs = PrefillScoringInputs(q, k_all, lse, plan.qo_indptr, kv_indptr, positions, sm_scale, plan.window)
+        for group in policy_groups(plan, policy):
+            mine = group.policy.score(inputs)  # of the whole batch: a batch mixes policies rarely
+            scores = mine if scores is None else torch.where(group.mask[requests][:, None], mine, scores)
+    if guiding:
+        guide.add(layer_id, scores)
+    if not column.compress:
+        _store_all(k_all, v_all, kv_indptr, requests, plan, column, buffers, policy)
+    elif guide is None:
+        _keep(k_all, v_all, kv_indptr, scores, plan, column, buffers)
+    else:
+        k_new, v_new, heads = k.clone(), v.clone(), k.shape[1]
+
+        def keep_by_guide(guide_scores: torch.Tensor) -> None:
+            k_seq, v_seq, indptr = sequence_kv(k_new, v_new, plan, column, buffers)
+            _keep(k_seq, v_seq, indptr, guide_scores[:, None].expand(-1, heads), plan, column, buffers)
+
+        guide.defer(keep_by_guide)
+    return o
+
+
+def _store_all(
+    k_all: torch.Tensor,
+    v_all: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    requests: torch.Tensor,
+    plan: ForwardPlan,
+    column: ColumnPlan,
+    buffers: LaneBuffers,
+    policy: ScoringPolicy,
+) -> None:
+    """Every request fits its budget: its entries are all stored, scored as decoded keys are,
+    so that later evictions compare them in the policy's units."""
+    in_sequence = positions_in_segment(kv_indptr, k_all.shape[0])
+    if plan.kept_positions is not None:
+        k_all, v_all = k_all[plan.kept_positions], v_all[plan.kept_positions]
+        in_sequence, requests = in_sequence[plan.kept_positions], requests[plan.kept_positions]
+    _store(buffers, column.new_slots, k_all, v_all)
     for group in policy_groups(plan, policy):
-        mine = group.policy.score(inputs)  # of the whole batch: a batch mixes policies rarely
-        scores = mine if scores is None else torch.where(group.mask[requests][:, None], mine, scores)
+        keys = slice(None) if group.mask is None else group.mask[requests]
+        buffers.scores[column.new_score_slots[keys]] = group.policy.new_key_scores(k_all[keys], in_sequence[keys])
+
+
+def _keep(
+    k_all: torch.Tensor,
+    v_all: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    scores: torch.Tensor,
+    plan: ForwardPlan,
+    column: ColumnPlan,
+    buffers: LaneBuffers,
+) -> None:
+    """Select sink + window + the best-scored rest up to each request's budget per KV head, and
+    scatter the kept K/V and their scores into the requests' rows."""
     kept, kept_lens = kernels.select_kept(scores, kv_indptr, column.budgets, plan.sink, plan.window)
     if plan.keeps is not None:
         kept_lens = kept_lens * plan.keeps
     src = kept_sources(kept, kept_lens, kv_indptr)
-    heads = torch.arange(k.shape[1], device=k.device)[None, :]
+    heads = torch.arange(k_all.shape[1], device=k_all.device)[None, :]
     dst = column.new_slots[:, None]
     buffers.k[dst, heads] = k_all[src, heads].to(buffers.k.dtype)
     buffers.v[dst, heads] = v_all[src, heads].to(buffers.v.dtype)
     buffers.scores[column.new_score_slots[:, None], heads] = scores[src, heads]
-    return o
 
 
 def policy_groups(plan: ForwardPlan, policy: ScoringPolicy) -> tuple[PolicyGroup, ...]:
@@ -237,12 +282,15 @@ def sparse_mixed(
     buffers: LaneBuffers,
     policy: ScoringPolicy,
     positions: torch.Tensor,
+    layer_id: int = -1,
+    guide: PrefillGuide | None = None,
 ) -> torch.Tensor:
     """A mixed forward: `sparse_extend` for the prefill's tokens, then `sparse_decode` for the
     decoding rows' (one each); [T, H_q, D] in the batch's order, as `positions` [T]."""
     n = plan.extend_tokens
     prefill, decode = plan.extend, plan.decode
-    o_extend = sparse_extend(q[:n], k[:n], v[:n], sm_scale, prefill, prefill.column(slot), buffers, policy)
+    column = prefill.column(slot)
+    o_extend = sparse_extend(q[:n], k[:n], v[:n], sm_scale, prefill, column, buffers, policy, layer_id, guide)
     o_decode = sparse_decode(q[n:], k[n:], v[n:], sm_scale, decode, decode.column(slot), buffers, policy, positions[n:])
     return torch.cat([o_extend, o_decode.view(-1, *o_extend.shape[1:])])
 

@@ -16,8 +16,10 @@ PRESETS: dict[str, SparsityConfig] = {
     # the others keep 1024 entries, the low end of the 1024-1536 windows of the reference results.
     # With two full layers the sparse ones pair up on the heap's two lanes (docs/config.md).
     # `span` with an observation window of 16 keeps many-token answers SnapKV cuts short, and
-    # beat kvpress's best press at every budget from 64 to 1,024 on the RULER-style suite.
-    "default": SparsityConfig(full_layers=(0, 1), budget=1024, window=16, policy=SpanPolicy()),
+    # beat kvpress's best press at every budget from 64 to 1,024 on the RULER-style suite; guided
+    # from a third of the depth, every sparse layer keeps what the middle and late layers find
+    # (the early ones' own windows never see a needle).
+    "default": SparsityConfig(full_layers=(0, 1), budget=1024, window=16, policy=SpanPolicy(), guide_from=0.33),
 }
 
 #: Preset used when neither a preset, a JSON config nor a flag is given.

@@ -16,7 +16,9 @@ class ResolvedSparsity:
     """`budgets[layer]` is None for full layers and min(configured budget, context_len) for
     sparse ones; `request_cap` is the largest budget one request may ask for (the config's
     `max_request_budget`, else the largest sparse budget; within the context; 0 with no sparse
-    layer). Built only by `SparsityConfig.resolve`."""
+    layer). `guide_layers`: the sparse layers whose scores choose every sparse layer's prefill
+    entries (empty: each layer by its own; `sglang_kvsparse/guide.py`). Built only by
+    `SparsityConfig.resolve`."""
 
     config: SparsityConfig
     num_layers: int
@@ -24,6 +26,7 @@ class ResolvedSparsity:
     kinds: tuple[LayerKind, ...]
     budgets: tuple[int | None, ...]
     request_cap: int = 0
+    guide_layers: tuple[int, ...] = ()
 
     @property
     def enabled(self) -> bool:

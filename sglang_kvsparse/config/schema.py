@@ -96,6 +96,10 @@ class SparsityConfig:
                    {"budget": N}}, or {"enabled": false} for a request no longer than it); None:
                    the largest sparse budget, so requests may only ask for less. It sizes the
                    sparse layers' row tables (`request_sparsity.py`, docs/config.md).
+      guide_from   None: each sparse layer keeps the prompt entries its own scores rank best.
+                   A fraction of the model's depth in [0, 1): every sparse layer keeps those the
+                   guide layers rank best together, the sparse layers from layer
+                   round(guide_from * num_layers) to the last (`sglang_kvsparse/guide.py`).
     """
 
     enabled: bool = True
@@ -106,6 +110,7 @@ class SparsityConfig:
     evict_page: int = 16
     policy: ScoringPolicy = SnapKVPolicy()
     max_request_budget: int | None = None
+    guide_from: float | None = None
     # Where each field's value came from, for error messages: ((field, option label), ...).
     origins: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
@@ -156,6 +161,9 @@ class SparsityConfig:
             raise self._fail("policy", f"expected a scoring policy, got {self.policy!r}")
         if self.max_request_budget is not None:
             self._check_int("max_request_budget", self.max_request_budget, 1)
+        guide = self.guide_from
+        if guide is not None and (isinstance(guide, bool) or not isinstance(guide, (int, float)) or not 0 <= guide < 1):
+            raise self._fail("guide_from", f"expected null or a fraction of the depth in [0, 1), got {guide!r}")
         self._validate_budget_shape()
 
     def _validate_budget_shape(self) -> None:
@@ -215,7 +223,22 @@ class SparsityConfig:
                 "max_request_budget", f"{self.max_request_budget} is below the largest sparse budget ({largest})"
             )
         request_cap = min(self.max_request_budget or largest, context_len)
-        return ResolvedSparsity(self, num_layers, context_len, kinds, tuple(budgets), request_cap)
+        guide_layers = self._guide_layers(sparse, num_layers)
+        return ResolvedSparsity(self, num_layers, context_len, kinds, tuple(budgets), request_cap, guide_layers)
+
+    def _guide_layers(self, sparse: list[int], num_layers: int) -> tuple[int, ...]:
+        """The sparse layers whose scores guide every sparse layer's prefill selection (none
+        without sparse layers: there is nothing to guide)."""
+        if self.guide_from is None or not sparse:
+            return ()
+        first = round(self.guide_from * num_layers)
+        layers = tuple(layer for layer in sparse if layer >= first)
+        if not layers:
+            raise self._fail(
+                "guide_from",
+                f"{self.guide_from:g} of {num_layers} layers starts at layer {first}: no sparse layer there",
+            )
+        return layers
 
     def _sparse_budgets(self, num_sparse: int) -> tuple[int, ...]:
         if num_sparse == 0:
@@ -250,6 +273,7 @@ class SparsityConfig:
             "evict_page": self.evict_page,
             "policy": {"name": self.policy.name, **self.policy.options()},
             "max_request_budget": self.max_request_budget,
+            "guide_from": self.guide_from,
         }
 
     def describe(self) -> str:
@@ -264,9 +288,10 @@ class SparsityConfig:
             budget = f"budget {self.budget}"
         full = ",".join(map(str, self.full_layers)) or "none"
         requests = "" if self.max_request_budget is None else f"; requests may ask up to {self.max_request_budget}"
+        guide = "" if self.guide_from is None else f"; prefill guided from {self.guide_from:g} of the depth"
         return (
             f"kvsparse {self.policy.describe()}: full layers {full}; {budget}; sink {self.sink}, "
-            f"window {self.window}; evict every {self.evict_page}{requests}"
+            f"window {self.window}; evict every {self.evict_page}{guide}{requests}"
         )
 
 

@@ -90,6 +90,7 @@ def make_state(
     device="cpu",
     policy: ScoringPolicy | None = None,
     max_request_budget: int | None = None,
+    guide_from: float | None = None,
 ) -> tuple[SparseState, FreeList]:
     """A state of `num_layers` layers (`full_layers` full, one lane per full layer) on a heap of
     `rows` rows, its lanes on `device`. The policy: SnapKV of `pool_kernel` unless given
@@ -102,6 +103,7 @@ def make_state(
         policy=policy or SnapKVPolicy(pool_kernel=pool_kernel),
         evict_page=evict_page,
         max_request_budget=max_request_budget,
+        guide_from=guide_from,
     )
     resolved = config.resolve(num_layers, context)
     heap = FreeList(rows, page)

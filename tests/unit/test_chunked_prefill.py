@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sglang_kvsparse.admission import window_safe_cut
+from sglang_kvsparse.guide import PrefillGuide
 from sglang_kvsparse.planning import MixedPlan, plan_decode, plan_extend
 from sglang_kvsparse.sparse_attention import sparse_extend, sparse_mixed
 
@@ -27,13 +28,24 @@ def kept(state, row):
 
 
 def forward(state, rows, prefix_lens, extend_lens, prefix_ids, new_ids, q, k, v):
-    """SGLang's order for one prefill step: allocate, plan, run LAYER, finish the forward."""
+    """SGLang's order for one prefill step: allocate, plan, run LAYER (with guide layers, every
+    sparse layer on the same inputs and then the guide, as the backend does), finish the forward;
+    LAYER's output."""
     grow(state, rows, [p + e for p, e in zip(prefix_lens, extend_lens)])
     plan = plan_extend(state, rows, prefix_lens, extend_lens, prefix_ids, new_ids)
-    slot = state.layout.sparse_slots[LAYER]
-    out = sparse_extend(q, k, v, 0.3, plan, plan.column(slot), state.lanes[slot.lane], state.policy)
+    guide_layers = state.resolved.guide_layers
+    guide = None
+    if guide_layers and any(column.compress for group in plan.columns for column in group):
+        guide = PrefillGuide(guide_layers)
+    outputs = {}
+    for layer in state.resolved.sparse_layers if guide_layers else (LAYER,):
+        slot = state.layout.sparse_slots[layer]
+        lane = state.lanes[slot.lane]
+        outputs[layer] = sparse_extend(q, k, v, 0.3, plan, plan.column(slot), lane, state.policy, layer, guide)
+    if guide is not None:
+        guide.finish()
     state.finish_forward()
-    return out
+    return outputs[LAYER]
 
 
 def chunk_ends(length, chunk, window, page):
@@ -52,15 +64,21 @@ def sequences(lengths, seed=5):
     return [(torch.randn(n, H_KV * G, D), torch.randn(n, H_KV, D), torch.randn(n, H_KV, D)) for n in lengths]
 
 
+@pytest.mark.parametrize("guide_from", [None, 0.5], ids=["own-scores", "guided"])
 @pytest.mark.parametrize(
     ("chunk", "page", "budget", "window"), [(8, 1, 12, 2), (5, 1, 12, 4), (4, 2, 10, 3), (16, 2, 64, 2), (7, 1, 6, 2)]
 )
-def test_a_chunked_prompt_keeps_scores_and_outputs_what_the_unchunked_prompt_does(chunk, page, budget, window):
+def test_a_chunked_prompt_keeps_scores_and_outputs_what_the_unchunked_prompt_does(
+    chunk, page, budget, window, guide_from
+):
     """Two prompts (37 and 22 tokens) prefilled whole, then again with the first in chunks and the
-    second beside its last chunk. pool_kernel 3 pools scores across the chunk boundaries."""
+    second beside its last chunk. pool_kernel 3 pools scores across the chunk boundaries. Guided,
+    the last chunk's deferred selection reads the earlier chunks back from the store."""
     lengths = [37, 22]
     seqs = sequences(lengths)
-    make = dict(budget=budget, window=window, page=page, prefix_cache=True, pool_kernel=3, rows=1024)
+    make = dict(
+        budget=budget, window=window, page=page, prefix_cache=True, pool_kernel=3, rows=1024, guide_from=guide_from
+    )
     whole_state, whole_heap = make_state(**make)
     whole_state.expect([1, 2], [n + 40 for n in lengths], lengths)
     ids = [whole_heap.sglang_alloc(-(-n // page) * page)[:n] for n in lengths]

@@ -1,0 +1,155 @@
+"""Cross-layer selection (`guide_from`): every sparse layer keeps what the guide layers rank best.
+
+Against a float64 computation by hand: the guide layers' window attention (SnapKV without
+pooling), its largest over each layer's KV heads, averaged over the guide layers; every sparse
+layer of every request in a ragged batch keeps the sink, the window and the best of the rest by
+that guide, in every KV head, with the guide's scores stored. Also the configuration's checks and
+the guide's own refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_kvsparse.config import SparsityConfig, SparsityConfigError, parse_config
+from sglang_kvsparse.guide import PrefillGuide
+from sglang_kvsparse.planning import plan_extend
+from sglang_kvsparse.sparse_attention import sparse_extend
+
+from .heap import H_KV, D, grow, make_state
+
+G = 2  # query heads per KV head
+SCALE = 0.3
+SINK, WINDOW, BUDGET = 1, 2, 9
+LAYERS, FULL, GUIDE_FROM = 5, (0,), 0.5  # sparse layers 1..4; guide layers round(2.5) = 2.. -> 2, 3, 4
+PROMPTS = (23, 17, 6)  # the last fits its budget
+
+
+def window_mass(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """float64 attention of the last WINDOW queries, summed over them and each KV head's query
+    heads: [L, H_kv] for one request's q [L, H_q, D] and keys [L, H_kv, D]."""
+    n = keys.shape[0]
+    logits = torch.einsum("thd,lhd->htl", q[-WINDOW:].double(), keys.double().repeat_interleave(G, dim=1)) * SCALE
+    future = torch.arange(n)[None, :] > (n - WINDOW + torch.arange(WINDOW))[:, None]
+    probs = logits.masked_fill(future, float("-inf")).softmax(-1)
+    return probs.unflatten(0, (H_KV, G)).sum((1, 2)).T
+
+
+def held(state, layer: int, row: int, keys: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
+    """Per KV head, the positions request `row` holds in the layer (found by their keys among
+    `keys` [L, H, D]), and their stored scores [n, H]."""
+    slot = state.layout.sparse_slots[layer]
+    group, lane = state.groups[slot.group], state.lanes[slot.lane]
+    n = group.table.length(row)
+    stored = lane.k[group.table.entries(row)[:n, slot.column]]
+    positions = [[int((keys[:, h] == stored[e, h]).all(-1).nonzero().item()) for e in range(n)] for h in range(H_KV)]
+    score_slots = state.score_slots(group, torch.full((n,), row), torch.arange(n))[:, slot.column]
+    return positions, lane.scores[score_slots].double()
+
+
+def test_every_sparse_layer_keeps_the_best_by_the_guide_layers_together():
+    state, _ = make_state(
+        num_layers=LAYERS, full_layers=FULL, budget=BUDGET, window=WINDOW, context=64, guide_from=GUIDE_FROM
+    )
+    guide_layers = state.resolved.guide_layers
+    assert guide_layers == (2, 3, 4)
+    rows = [1, 2, 3]
+    state.expect(rows, [length + 20 for length in PROMPTS])  # they will evict: scores in their own rows
+    grow(state, rows, list(PROMPTS))
+    plan = plan_extend(state, rows, [0] * len(rows), list(PROMPTS))
+    gen = torch.Generator().manual_seed(0)
+    total = sum(PROMPTS)
+    inputs = {
+        layer: (
+            torch.randn(total, H_KV * G, D, generator=gen),
+            torch.randn(total, H_KV, D, generator=gen),
+            torch.randn(total, H_KV, D, generator=gen),
+        )
+        for layer in state.resolved.sparse_layers
+    }
+    guide = PrefillGuide(guide_layers)
+    for layer, (q, k, v) in inputs.items():
+        slot = state.layout.sparse_slots[layer]
+        sparse_extend(q, k, v, SCALE, plan, plan.column(slot), state.lanes[slot.lane], state.policy, layer, guide)
+    guide.finish()
+    state.finish_forward()
+
+    start = 0
+    for row, length in zip(rows, PROMPTS):
+        span = slice(start, start + length)
+        start += length
+        want = torch.stack(
+            [window_mass(inputs[layer][0][span], inputs[layer][1][span]).amax(1) for layer in guide_layers]
+        ).mean(0)
+        for layer in state.resolved.sparse_layers:
+            keys = inputs[layer][1][span]
+            positions, stored = held(state, layer, row, keys)
+            for h in range(H_KV):
+                if length <= BUDGET:  # fits: every key, none chosen
+                    assert positions[h] == list(range(length))
+                    continue
+                assert positions[h] == sorted(positions[h])
+                protected = {*range(SINK), *range(length - WINDOW, length)}
+                assert len(positions[h]) == BUDGET and protected <= set(positions[h])
+                chosen = [p for p in positions[h] if p not in protected]
+                dropped = [p for p in range(length) if p not in positions[h]]
+                assert float(want[chosen].min()) >= float(want[dropped].max()) - 1e-9, (layer, h, chosen, dropped)
+                torch.testing.assert_close(stored[:, h], want[positions[h]], atol=1e-5, rtol=1e-5)
+
+
+def test_without_a_guide_each_layer_keeps_its_own_best_so_the_layers_differ():
+    """The control: the same inputs without `guide_from` keep different sets per layer (else the
+    test above could pass without a guide)."""
+    state, _ = make_state(num_layers=LAYERS, full_layers=FULL, budget=BUDGET, window=WINDOW, context=64)
+    length = PROMPTS[0]
+    state.expect([1], [length])
+    grow(state, [1], [length])
+    plan = plan_extend(state, [1], [0], [length])
+    gen = torch.Generator().manual_seed(0)
+    kept = []
+    for layer in state.resolved.sparse_layers:
+        q = torch.randn(length, H_KV * G, D, generator=gen)
+        k, v = torch.randn(length, H_KV, D, generator=gen), torch.randn(length, H_KV, D, generator=gen)
+        slot = state.layout.sparse_slots[layer]
+        sparse_extend(q, k, v, SCALE, plan, plan.column(slot), state.lanes[slot.lane], state.policy, layer)
+        kept.append(held(state, layer, 1, k)[0])
+    state.finish_forward()
+    assert len({str(k) for k in kept}) > 1
+
+
+def test_the_guide_refuses_a_layer_it_does_not_have_and_finishing_without_all_of_them():
+    guide = PrefillGuide((2, 3))
+    with pytest.raises(ValueError, match="layer 1"):
+        guide.add(1, torch.zeros(4, H_KV))
+    guide.add(2, torch.zeros(4, H_KV))
+    with pytest.raises(ValueError, match="layer 2"):
+        guide.add(2, torch.zeros(4, H_KV))
+    ran = []
+    guide.defer(ran.append)
+    with pytest.raises(RuntimeError, match=r"missing layers \[3\]"):
+        guide.finish()
+    guide.add(3, torch.ones(4, H_KV))
+    guide.finish()
+    torch.testing.assert_close(ran[0], torch.full((4,), 0.5))
+
+
+def test_guide_from_resolves_to_the_sparse_layers_from_that_depth():
+    resolved = SparsityConfig(full_layers=(0, 1), budget=64, guide_from=1 / 3).resolve(30, 4096)
+    assert resolved.guide_layers == tuple(range(10, 30))
+    assert SparsityConfig(full_layers=(0, 1), budget=64).resolve(30, 4096).guide_layers == ()
+    config = parse_config('{"guide_from": 0.5}')
+    assert config.guide_from == 0.5 and config.to_dict()["guide_from"] == 0.5
+    assert "guided from 0.5" in config.describe()
+
+
+@pytest.mark.parametrize("value", [1.0, -0.1, True, "half"])
+def test_a_bad_guide_from_is_refused_naming_the_field(value):
+    with pytest.raises(SparsityConfigError, match="guide_from"):
+        SparsityConfig(guide_from=value)
+
+
+def test_a_guide_with_no_sparse_layer_at_its_depth_is_refused():
+    config = SparsityConfig(full_layers=(8, 9), budget=64, guide_from=0.8)
+    with pytest.raises(SparsityConfigError, match="guide_from: 0.8 of 10 layers starts at layer 8"):
+        config.resolve(10, 4096)
