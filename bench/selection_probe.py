@@ -1,0 +1,247 @@
+"""What a prefill selection keeps of a RULER answer, layer by layer, and what the model answers
+with only those keys: per-layer selection against the guided one (`guide_from`), outside the
+server.
+
+Why it exists: through the server a wrong answer says only that something was dropped. This
+runs the default model in Hugging Face transformers (fp32, CPU) on the RULER-style prompts of
+`kvsparse_testbed.ruler`, takes each sparse layer's `span` scores from the observation window's
+attention (float64, then the project's own `pool_scores`, `spread_scores` and `select_kept`; the
+guided set through the project's `PrefillGuide`), and reports, per layer and KV head, how many of
+the answer's tokens are kept. It then generates greedily with every sparse layer's prompt keys
+masked to the kept ones (the prefill itself is full, as on the server; no decode eviction), so a
+row of kept counts sits beside the answer it leads to. On the 14 prompts the full cache answers
+its verdicts matched the server's prompt for prompt (`selection-probe-2026-12-03` against
+`fidelity-ruler-ep64-2026-12-03`, per-layer: 8 and 6 of 14 at budgets 128 and 256, and
+`fidelity-ruler-guide-2026-12-03`, guided: 10 and 10).
+
+Writes ``<out-dir>/selection-probe[-<tag>]-<date>.json`` and ``.md``.
+
+Usage: .venv/bin/python bench/selection_probe.py [--budgets 128,256] [--guide-from 0.33]
+       [--follow 16] [--prompts ruler-multikey-2000-1,...] [--tag TAG]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import datetime as dt
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from common.report import ReportPaths, write_json
+from common.systems import machine
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.modeling_utils import AttentionInterface
+
+from kvsparse_testbed import ruler
+from kvsparse_testbed.texts import essay_text
+from sglang_kvsparse.config import PRESETS
+from sglang_kvsparse.guide import PrefillGuide
+from sglang_kvsparse.kernels import pool_scores, select_kept, spread_scores
+from sglang_kvsparse.models import ensure_default_model
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DEFAULT = PRESETS["default"]
+#: The 14 prompts of the committed RULER runs that the full cache answers (2 tasks x 2 lengths x 8).
+TASKS, LENGTHS, PER_LENGTH = ["multikey", "uuid"], [2000, 3000], 8
+
+
+class AttentionProbe:
+    """Replaces transformers' SDPA attention: at prefill it records each layer's window mass
+    ([L, H_kv] float64: the last `window` queries' attention, summed over them and each KV
+    head's query heads); while generating, it hides the prompt keys a layer did not keep."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.mass: dict[int, torch.Tensor] = {}
+        self.kept: dict[int, torch.Tensor] = {}  # layer -> [H_kv, prompt_len] bool
+        self.recording = True
+        self._sdpa = AttentionInterface._global_mapping["sdpa"]
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        AttentionInterface._global_mapping["sdpa"] = self.forward
+        try:
+            yield
+        finally:
+            AttentionInterface._global_mapping["sdpa"] = self._sdpa
+
+    def forward(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, **kwargs):
+        layer, groups = module.layer_idx, module.num_key_value_groups
+        keys = key[0].repeat_interleave(groups, dim=0)  # [H_q, S, D]
+        if self.recording:
+            n, w = keys.shape[1], self.window
+            logits = torch.einsum("hwd,hsd->hws", query[0, :, -w:].double(), keys.double()) * kwargs["scaling"]
+            future = torch.arange(n)[None, :] > torch.arange(n - w, n)[:, None]
+            probs = logits.masked_fill(future, float("-inf")).softmax(-1)
+            self.mass[layer] = probs.sum(1).unflatten(0, (-1, groups)).sum(1).T  # [S, H_kv]
+            return self._sdpa(module, query, key, value, mask, **kwargs)
+        kept = self.kept.get(layer)
+        if kept is None:  # a full layer
+            return self._sdpa(module, query, key, value, mask, **kwargs)
+        visible = torch.ones(keys.shape[0], keys.shape[1], dtype=torch.bool)
+        visible[:, : kept.shape[1]] = kept.repeat_interleave(groups, dim=0)
+        logits = torch.einsum("hd,hsd->hs", query[0, :, 0], keys) * kwargs["scaling"]
+        probs = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+        out = torch.einsum("hs,hsd->hd", probs, value[0].repeat_interleave(groups, dim=0))
+        return out[None, None], None
+
+
+def layer_scores(mass: torch.Tensor, follow: int, pool_kernel: int) -> torch.Tensor:
+    """`span`'s scores [L, H_kv] from a layer's window mass: pooled, then spread forward."""
+    indptr = torch.tensor([0, mass.shape[0]], dtype=torch.int32)
+    return spread_scores(pool_scores(mass.float(), indptr, pool_kernel, "max"), indptr, follow)
+
+
+def kept_sets(scores: dict[int, torch.Tensor], budget: int, guide_layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """Per sparse layer, [H_kv, L] bool of the kept prompt keys: by the layer's own scores, or
+    (with guide layers) by the guide's, through the server's `PrefillGuide`."""
+    length = next(iter(scores.values())).shape[0]
+    indptr = torch.tensor([0, length], dtype=torch.int32)
+    kept: dict[int, torch.Tensor] = {}
+
+    def keep(layer: int, by: torch.Tensor) -> None:
+        positions, _ = select_kept(by, indptr, budget, DEFAULT.sink, DEFAULT.window)
+        mask = torch.zeros(by.shape[1], length, dtype=torch.bool)
+        for head, row in enumerate(positions[0]):
+            mask[head, row[row >= 0]] = True
+        kept[layer] = mask
+
+    if not guide_layers:
+        for layer, own in scores.items():
+            keep(layer, own)
+        return kept
+    guide = PrefillGuide(guide_layers)
+    for layer, own in scores.items():
+        if guide.guides(layer):
+            guide.add(layer, own)
+        guide.defer(lambda by, layer=layer, heads=own.shape[1]: keep(layer, by[:, None].expand(-1, heads)))
+    guide.finish()
+    return kept
+
+
+def answer_positions(tokenizer: Any, text: str, value: str) -> list[int]:
+    """Token positions of the first occurrence of `value` in the templated prompt `text`."""
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    start = text.index(value)
+    return [i for i, (a, b) in enumerate(offsets) if a < start + len(value) and b > start]
+
+
+def probe_prompt(model, tokenizer, prompt, probe: AttentionProbe, budgets, guides, follow) -> dict[str, Any]:
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt.user_message}], add_generation_prompt=True, tokenize=False
+    )
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    answer = answer_positions(tokenizer, text, prompt.expected[0])
+    probe.recording, probe.mass = True, {}
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+    sparse = [layer for layer in sorted(probe.mass) if layer not in DEFAULT.full_layers]
+    scores = {layer: layer_scores(probe.mass[layer], follow, DEFAULT.policy.pool_kernel) for layer in sparse}
+    stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    result: dict[str, Any] = {"prompt_tokens": len(ids), "answer_tokens": len(answer), "runs": {}}
+    for budget in budgets:
+        for label, guide_layers in guides.items():
+            probe.kept = kept_sets(scores, budget, guide_layers)
+            probe.recording = False
+            cache = copy.deepcopy(out.past_key_values)
+            tokens = [int(out.logits[0, -1].argmax())]
+            with torch.no_grad():
+                while len(tokens) < ruler.MAX_NEW_TOKENS and tokens[-1] not in stops:
+                    step = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+                    tokens.append(int(step.logits[0, -1].argmax()))
+            output = tokenizer.decode(tokens, skip_special_tokens=True)
+            kept_answer = {
+                str(layer): [int(mask[head, answer].sum()) for head in range(mask.shape[0])]
+                for layer, mask in probe.kept.items()
+            }
+            result["runs"][f"{label}-{budget}"] = {
+                "output": output,
+                "correct": prompt.correct(output),
+                "answer_tokens_kept": kept_answer,
+            }
+            mark = "✓" if prompt.correct(output) else "✗"
+            print(f"[probe] {prompt.prompt_id} {label}-{budget}: {mark} {output[:50]!r}", flush=True)
+    return result
+
+
+def markdown(report: dict[str, Any]) -> str:
+    runs = sorted({run for p in report["prompts"].values() for run in p["runs"]})
+    lines = [
+        f"# Selection probe — {report['date']}",
+        "",
+        f"- Machine: {report['machine']}; Hugging Face transformers, fp32, no server",
+        f"- Policy `span` (follow {report['settings']['follow']}, pool {DEFAULT.policy.pool_kernel}), "
+        f"window {DEFAULT.window}, sink {DEFAULT.sink}, full layers {list(DEFAULT.full_layers)}; guided: "
+        f"layers {report['settings']['guide_layers']}",
+        "- Kept: per sparse layer, the answer tokens kept in each KV head (digits, one per head), "
+        "from the first sparse layer on; no decode eviction",
+        "",
+        "| run | correct |",
+        "|---|---|",
+    ]
+    for run in runs:
+        right = sum(p["runs"][run]["correct"] for p in report["prompts"].values())
+        lines.append(f"| {run} | {right}/{len(report['prompts'])} |")
+    lines += ["", "| prompt | run | answer | kept per layer and head |", "|---|---|---|---|"]
+    for prompt_id, p in report["prompts"].items():
+        for run in runs:
+            r = p["runs"][run]
+            kept = " ".join("".join(str(min(n, 9)) for n in heads) for heads in r["answer_tokens_kept"].values())
+            lines.append(f"| {prompt_id} | {run} | {'✓' if r['correct'] else '✗'} | `{kept}` |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budgets", default="128,256")
+    parser.add_argument("--guide-from", type=float, default=DEFAULT.guide_from)
+    parser.add_argument("--follow", type=int, default=DEFAULT.policy.follow)
+    parser.add_argument("--prompts", default="", help="comma-separated prompt ids (default: every prompt)")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--tag", default="")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    model_dir = ensure_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    config = dataclasses.replace(DEFAULT, guide_from=args.guide_from)
+    guided = config.resolve(model.config.num_hidden_layers, model.config.max_position_embeddings).guide_layers
+    guides = {"per-layer": (), "guided": guided}
+    wanted = {p for p in args.prompts.split(",") if p}
+    prompts = ruler.ruler_prompts(
+        essay_text(ruler.min_essay_chars(LENGTHS)), tasks=TASKS, lengths=LENGTHS, per_length=PER_LENGTH
+    )
+    prompts = [p for p in prompts if not wanted or p.prompt_id in wanted]
+    if not prompts:
+        print(f"error: no prompt among {sorted(wanted)}", file=sys.stderr)
+        return 2
+    date = dt.date.today().isoformat()
+    paths = ReportPaths(args.out_dir, f"selection-probe{'-' + args.tag if args.tag else ''}-{date}")
+    report: dict[str, Any] = {
+        "benchmark": "selection-probe",
+        "date": date,
+        "machine": machine(),
+        "settings": {"budgets": budgets, "follow": args.follow, "guide_layers": list(guided)},
+        "prompts": {},
+    }
+    probe = AttentionProbe(DEFAULT.window)
+    with probe.installed():
+        for prompt in prompts:
+            report["prompts"][prompt.prompt_id] = probe_prompt(
+                model, tokenizer, prompt, probe, budgets, guides, args.follow
+            )
+            write_json(paths, report)
+            paths.markdown.write_text(markdown(report))
+    print(f"[probe] wrote {paths.json}, {paths.markdown}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
