@@ -51,14 +51,17 @@ def sparse_extend(
     k_all, v_all, kv_indptr = sequence_kv(k, v, plan, column, buffers)
     positions = torch.arange(k_all.shape[0], device=k.device, dtype=torch.int64)
     guiding = guide is not None and guide.guides(layer_id)
+    # A layer scores for its own selection, or for the guide; under a guide, a layer outside it
+    # selects by the guide's scores and needs none of its own (nor the softmax statistics).
+    scoring = guiding or (column.compress and guide is None)
     o, lse = kernels.extend_attention_with_stats(
-        q, k_all, v_all, plan.qo_indptr, kv_indptr, positions, sm_scale, with_stats=column.compress or guiding
+        q, k_all, v_all, plan.qo_indptr, kv_indptr, positions, sm_scale, with_stats=scoring
     )
     if column.store_slots is not None and column.store_slots.numel():
         _store(buffers, column.store_slots, k[plan.store_positions], v[plan.store_positions])
     requests = segment_ids(kv_indptr, k_all.shape[0])  # each key's request in the batch
     scores = None
-    if column.compress or guiding:
+    if scoring:
         inputs = PrefillScoringInputs(q, k_all, lse, plan.qo_indptr, kv_indptr, positions, sm_scale, plan.window)
         for group in policy_groups(plan, policy):
             mine = group.policy.score(inputs)  # of the whole batch: a batch mixes policies rarely
