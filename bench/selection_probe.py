@@ -17,7 +17,7 @@ its verdicts matched the server's prompt for prompt (`selection-probe-2026-12-03
 Writes ``<out-dir>/selection-probe[-<tag>]-<date>.json`` and ``.md``.
 
 Usage: .venv/bin/python bench/selection_probe.py [--budgets 128,256] [--guide-from 0.33]
-       [--follow 16] [--prompts ruler-multikey-2000-1,...] [--tag TAG]
+       [--follow 8] [--reach 16] [--prompts ruler-multikey-2000-1,...] [--tag TAG]
 """
 
 from __future__ import annotations
@@ -53,11 +53,12 @@ TASKS, LENGTHS, PER_LENGTH = ["multikey", "uuid"], [2000, 3000], 8
 
 class AttentionProbe:
     """Replaces transformers' SDPA attention: at prefill it records each layer's window mass
-    ([L, H_kv] float64: the last `window` queries' attention, summed over them and each KV
-    head's query heads); while generating, it hides the prompt keys a layer did not keep."""
+    ([L, H_kv] float64: the last `window` queries' attention, plus `reach_weight` times that of
+    the `reach` queries before them, summed over each KV head's query heads); while generating,
+    it hides the prompt keys a layer did not keep."""
 
-    def __init__(self, window: int) -> None:
-        self.window = window
+    def __init__(self, window: int, reach: int, reach_weight: float) -> None:
+        self.window, self.reach, self.reach_weight = window, reach, reach_weight
         self.mass: dict[int, torch.Tensor] = {}
         self.kept: dict[int, torch.Tensor] = {}  # layer -> [H_kv, prompt_len] bool
         self.recording = True
@@ -75,11 +76,14 @@ class AttentionProbe:
         layer, groups = module.layer_idx, module.num_key_value_groups
         keys = key[0].repeat_interleave(groups, dim=0)  # [H_q, S, D]
         if self.recording:
-            n, w = keys.shape[1], self.window
+            n, w = keys.shape[1], self.window + self.reach
             logits = torch.einsum("hwd,hsd->hws", query[0, :, -w:].double(), keys.double()) * kwargs["scaling"]
             future = torch.arange(n)[None, :] > torch.arange(n - w, n)[:, None]
             probs = logits.masked_fill(future, float("-inf")).softmax(-1)
-            self.mass[layer] = probs.sum(1).unflatten(0, (-1, groups)).sum(1).T  # [S, H_kv]
+            weights = torch.full((w,), self.reach_weight, dtype=torch.float64)
+            weights[-self.window :] = 1.0
+            mass = torch.einsum("hws,w->hs", probs, weights)
+            self.mass[layer] = mass.unflatten(0, (-1, groups)).sum(1).T  # [S, H_kv]
             return self._sdpa(module, query, key, value, mask, **kwargs)
         kept = self.kept.get(layer)
         if kept is None:  # a full layer
@@ -176,7 +180,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"# Selection probe — {report['date']}",
         "",
         f"- Machine: {report['machine']}; Hugging Face transformers, fp32, no server",
-        f"- Policy `span` (follow {report['settings']['follow']}, pool {DEFAULT.policy.pool_kernel}), "
+        f"- Policy `span` (follow {report['settings']['follow']}, pool {DEFAULT.policy.pool_kernel}, "
+        f"reach {report['settings']['reach']} at {report['settings']['reach_weight']}), "
         f"window {DEFAULT.window}, sink {DEFAULT.sink}, full layers {list(DEFAULT.full_layers)}; guided: "
         f"layers {report['settings']['guide_layers']}",
         "- Kept: per sparse layer, the answer tokens kept in each KV head (digits, one per head), "
@@ -202,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", default="128,256")
     parser.add_argument("--guide-from", type=float, default=DEFAULT.guide_from)
     parser.add_argument("--follow", type=int, default=DEFAULT.policy.follow)
+    parser.add_argument("--reach", type=int, default=DEFAULT.policy.reach)
     parser.add_argument("--prompts", default="", help="comma-separated prompt ids (default: every prompt)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--tag", default="")
@@ -228,10 +234,16 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "selection-probe",
         "date": date,
         "machine": machine(),
-        "settings": {"budgets": budgets, "follow": args.follow, "guide_layers": list(guided)},
+        "settings": {
+            "budgets": budgets,
+            "follow": args.follow,
+            "reach": args.reach,
+            "reach_weight": DEFAULT.policy.reach_weight,
+            "guide_layers": list(guided),
+        },
         "prompts": {},
     }
-    probe = AttentionProbe(DEFAULT.window)
+    probe = AttentionProbe(DEFAULT.window, args.reach, DEFAULT.policy.reach_weight)
     with probe.installed():
         for prompt in prompts:
             report["prompts"][prompt.prompt_id] = probe_prompt(

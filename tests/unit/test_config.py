@@ -184,6 +184,10 @@ def test_bad_model_shape():
 def test_direct_construction_is_validated_and_normalized():
     with pytest.raises(ValueError, match="pool_kernel: must be odd"):
         SnapKVPolicy(pool_kernel=4)
+    with pytest.raises(ValueError, match="reach: expected an integer >= 0"):
+        SnapKVPolicy(reach=-1)
+    with pytest.raises(ValueError, match=r"reach_weight: expected a number in \[0, 1\]"):
+        SnapKVPolicy(reach_weight=2)
     with pytest.raises(SparsityConfigError, match="policy: expected a scoring policy"):
         SparsityConfig(policy="snapkv")
     config = SparsityConfig(full_layers=[3, 0], budget=[64, 128])
@@ -210,7 +214,7 @@ def test_round_trip_of_pyramid_and_list():
 def test_known_policies_and_describe():
     assert {"snapkv", "streamingllm", "keynorm"} <= set(POLICIES)
     assert parse_config('{"policy": "streamingllm"}').policy == StreamingLLMPolicy()
-    assert "snapkv (pool_kind max, pool_kernel 15)" in PRESETS["snapkv"].describe()
-    assert "span (pool_kind max, pool_kernel 7, follow 16)" in PRESETS["default"].describe()
+    assert "snapkv (pool_kind max, pool_kernel 15, reach 0, reach_weight 0.25)" in PRESETS["snapkv"].describe()
+    assert "span (pool_kind max, pool_kernel 7, reach 0, reach_weight 0.25, follow 16)" in PRESETS["default"].describe()
     assert "pyramid" in PRESETS["pyramidkv"].describe()
     assert "64..256" in SparsityConfig(full_layers=(0,), budget=(64, 256)).describe()

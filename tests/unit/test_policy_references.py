@@ -30,7 +30,10 @@ SCALE = 0.3
 SINK, WINDOW, BUDGET, EVICT_PAGE = 1, 3, 12, 4
 STEPS = 22
 #: Small knobs so that pooling and spreading show at these lengths.
-KNOBS: dict[str, dict] = {"snapkv": {"pool_kernel": 3}, "span": {"pool_kernel": 3, "follow": 2}}
+KNOBS: dict[str, dict] = {
+    "snapkv": {"pool_kernel": 3},
+    "span": {"pool_kernel": 3, "follow": 2, "reach": 2, "reach_weight": 0.25},
+}
 
 
 def probabilities(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -65,7 +68,10 @@ def window_mass(probs: torch.Tensor, queries: int) -> torch.Tensor:
 
 
 def snapkv(probs, keys, knobs):
-    return max_over(window_mass(probs, WINDOW), range(-(knobs["pool_kernel"] // 2), knobs["pool_kernel"] // 2 + 1))
+    """The window's mass, plus `reach_weight` times that of the `reach` queries before it, pooled."""
+    reach = window_mass(probs, WINDOW + knobs.get("reach", 0)) - window_mass(probs, WINDOW)
+    mass = window_mass(probs, WINDOW) + knobs.get("reach_weight", 0.25) * reach
+    return max_over(mass, range(-(knobs["pool_kernel"] // 2), knobs["pool_kernel"] // 2 + 1))
 
 
 HAND: dict[str, HandPolicy] = {
