@@ -76,6 +76,12 @@ class ScoringPolicy(ABC):
         entries in position order, rows bounded by `row_indptr`). Default: the scores as stored."""
         return scores
 
+    def queries_before_window(self) -> int:
+        """How many prompt queries before the observation window its prefill score reads (0 for
+        most; SnapKV's `reach`). Prefix hits and chunk cuts leave them to the prefill
+        (`SparsityConfig.observed`)."""
+        return 0
+
     def options(self) -> dict[str, Any]:
         """The policy's knobs and their values (its dataclass fields)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

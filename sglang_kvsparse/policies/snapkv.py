@@ -53,6 +53,9 @@ class SnapKVPolicy(ScoringPolicy):
         if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 <= weight <= 1:
             raise ValueError(f"reach_weight: expected a number in [0, 1], got {weight!r}")
 
+    def queries_before_window(self) -> int:
+        return self.reach if self.reach_weight else 0
+
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
         raw = inputs.attention_from_last(inputs.window)
         if self.reach and self.reach_weight:

@@ -18,10 +18,16 @@ class SpanPolicy(SnapKVPolicy):
     UUID), and the tokens after it come along, where SnapKV's centred pooling keeps only
     `pool_kernel // 2` of them. Decode adds attention as SnapKV does; an eviction ranks a row's
     entries spread the same way (over the row's entries, which are in position order).
+
+    Defaults (docs/config.md): `follow` 8 covers a 7-digit answer after the word the question
+    lands on and, at tight budgets, leaves room for more candidates than 16 did (guided, budget
+    64: 5 of 14 RULER answers against 2); `reach` 16 lets a question longer than the window look
+    for its answer (needles).
     """
 
-    follow: int = 16
+    follow: int = 8
     pool_kernel: int = 7
+    reach: int = 16
     name = "span"
 
     def __post_init__(self) -> None:

@@ -215,6 +215,6 @@ def test_known_policies_and_describe():
     assert {"snapkv", "streamingllm", "keynorm"} <= set(POLICIES)
     assert parse_config('{"policy": "streamingllm"}').policy == StreamingLLMPolicy()
     assert "snapkv (pool_kind max, pool_kernel 15, reach 0, reach_weight 0.25)" in PRESETS["snapkv"].describe()
-    assert "span (pool_kind max, pool_kernel 7, reach 0, reach_weight 0.25, follow 16)" in PRESETS["default"].describe()
+    assert "span (pool_kind max, pool_kernel 7, reach 16, reach_weight 0.25, follow 8)" in PRESETS["default"].describe()
     assert "pyramid" in PRESETS["pyramidkv"].describe()
     assert "64..256" in SparsityConfig(full_layers=(0,), budget=(64, 256)).describe()

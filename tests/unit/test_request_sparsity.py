@@ -33,8 +33,8 @@ def test_a_request_asks_for_its_own_budget_or_for_no_sparsity():
     off = check_request({"kvsparse": {"enabled": False}}, 400, 112, RESOLVED)
     assert (off.label, off.row_budget(RESOLVED)) == ("off", 512)  # every token of a 512-token request
     assert parse_request({"kvsparse": {"enabled": True}}, RESOLVED) == SERVER_SETTING
-    both = parse_request({"kvsparse": {"budget": 30, "policy": {"name": "span", "follow": 32}}}, RESOLVED)
-    assert both == RequestSparsity(budget=30, policy=SpanPolicy(follow=32))
+    both = parse_request({"kvsparse": {"budget": 30, "policy": {"name": "span", "follow": 32, "reach": 0}}}, RESOLVED)
+    assert both == RequestSparsity(budget=30, policy=SpanPolicy(follow=32, reach=0))
     assert both.label == "budget 30, policy span (pool_kind max, pool_kernel 7, reach 0, reach_weight 0.25, follow 32)"
     assert parse_request({"kvsparse": {"policy": "h2o"}}, RESOLVED).label == "policy h2o"
 
@@ -57,6 +57,7 @@ def test_a_request_asks_for_its_own_budget_or_for_no_sparsity():
         ({"policy": "lru"}, "custom_params.kvsparse.policy: unknown policy 'lru' (known: h2o, keynorm, snapkv, span,"),
         ({"policy": {"name": "span", "follow": -1}}, "custom_params.kvsparse.policy.follow: expected an integer >= 0"),
         ({"policy": {"follow": 8}}, "custom_params.kvsparse.policy: expected a policy name or an object with a 'name'"),
+        ({"policy": "span"}, "custom_params.kvsparse.policy.reach: at most 0 on this server (its policy's"),
     ],
 )
 def test_a_bad_setting_is_refused_naming_the_field(value, message):
@@ -231,3 +232,14 @@ def test_a_captured_decode_step_refuses_a_request_with_its_own_policy():
     grow(state, [1, 2], [11, 11])
     with pytest.raises(ValueError, match="a captured decode step scores with the server's policy"):
         DecodeBuffers(state, 4, "cpu").fill(plan_decode(state, [1, 2]))
+
+
+def test_a_request_may_read_as_many_queries_before_the_window_as_the_server_leaves():
+    """A prefix hit or a chunk cut leaves the prefill the server policy's observed queries
+    (`SparsityConfig.observed`); a request's policy up to that reach is accepted, beyond it refused."""
+    server = SparsityConfig(full_layers=(0,), budget=64, window=16, policy=SpanPolicy(reach=16)).resolve(4, 4096)
+    assert server.config.observed == 32
+    assert RESOLVED.config.observed == 16
+    assert parse_request({"kvsparse": {"policy": "span"}}, server).policy == SpanPolicy()
+    with pytest.raises(ValueError, match=r"policy.reach: at most 16 on this server"):
+        parse_request({"kvsparse": {"policy": {"name": "span", "reach": 17}}}, server)
