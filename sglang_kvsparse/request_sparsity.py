@@ -86,7 +86,7 @@ def parse_request(custom_params: Any, resolved: ResolvedSparsity) -> RequestSpar
         raise ValueError(f"{FIELD}: enabled: false keeps every token; give it without budget or policy")
     if policy is not None:
         policy = parse_policy(policy, f"{FIELD}.policy")
-        allowed = resolved.config.observed - resolved.config.window
+        allowed = resolved.config.policy.queries_before_window()
         if policy.queries_before_window() > allowed:
             raise ValueError(
                 f"{FIELD}.policy.reach: at most {allowed} on this server (its policy's: the queries before "

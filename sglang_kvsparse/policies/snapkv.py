@@ -58,7 +58,7 @@ class SnapKVPolicy(ScoringPolicy):
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
         raw = inputs.attention_from_last(inputs.window)
-        if self.reach and self.reach_weight:
+        if self.queries_before_window():
             wider = inputs.attention_from_last(inputs.window + self.reach)
             raw = raw + self.reach_weight * (wider - raw)
         return pool_scores(raw, inputs.kv_indptr, self.pool_kernel, self.pool_kind)
