@@ -17,7 +17,7 @@ its verdicts matched the server's prompt for prompt (`selection-probe-2026-12-03
 Writes ``<out-dir>/selection-probe[-<tag>]-<date>.json`` and ``.md``.
 
 Usage: .venv/bin/python bench/selection_probe.py [--budgets 128,256] [--guide-from 0.33]
-       [--follow 8] [--reach 16] [--prompts ruler-multikey-2000-1,...] [--tag TAG]
+       [--follow 8] [--long-places 1] [--reach 16] [--prompts ruler-multikey-2000-1,...] [--tag TAG]
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ from kvsparse_testbed import ruler
 from kvsparse_testbed.texts import essay_text
 from sglang_kvsparse.config import PRESETS
 from sglang_kvsparse.guide import PrefillGuide
-from sglang_kvsparse.kernels import pool_scores, select_kept, spread_scores
+from sglang_kvsparse.kernels import pool_scores, select_kept
 from sglang_kvsparse.models import ensure_default_model
+from sglang_kvsparse.policies import SpanPolicy
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT = PRESETS["default"]
@@ -96,10 +97,11 @@ class AttentionProbe:
         return out[None, None], None
 
 
-def layer_scores(mass: torch.Tensor, follow: int, pool_kernel: int) -> torch.Tensor:
+def layer_scores(mass: torch.Tensor, policy: SpanPolicy) -> torch.Tensor:
     """`span`'s scores [L, H_kv] from a layer's window mass: pooled, then spread forward."""
     indptr = torch.tensor([0, mass.shape[0]], dtype=torch.int32)
-    return spread_scores(pool_scores(mass.float(), indptr, pool_kernel, "max"), indptr, follow)
+    pooled = pool_scores(mass.float(), indptr, policy.pool_kernel, "max")
+    return policy.spread(pooled, indptr, DEFAULT.sink, DEFAULT.window)
 
 
 def kept_sets(scores: dict[int, torch.Tensor], budget: int, guide_layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
@@ -136,7 +138,9 @@ def answer_positions(tokenizer: Any, text: str, value: str) -> list[int]:
     return [i for i, (a, b) in enumerate(offsets) if a < start + len(value) and b > start]
 
 
-def probe_prompt(model, tokenizer, prompt, probe: AttentionProbe, budgets, guides, follow) -> dict[str, Any]:
+def probe_prompt(
+    model, tokenizer, prompt, probe: AttentionProbe, budgets, guides, policy: SpanPolicy
+) -> dict[str, Any]:
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt.user_message}], add_generation_prompt=True, tokenize=False
     )
@@ -146,7 +150,7 @@ def probe_prompt(model, tokenizer, prompt, probe: AttentionProbe, budgets, guide
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
     sparse = [layer for layer in sorted(probe.mass) if layer not in DEFAULT.full_layers]
-    scores = {layer: layer_scores(probe.mass[layer], follow, DEFAULT.policy.pool_kernel) for layer in sparse}
+    scores = {layer: layer_scores(probe.mass[layer], policy) for layer in sparse}
     stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
     result: dict[str, Any] = {"prompt_tokens": len(ids), "answer_tokens": len(answer), "runs": {}}
     for budget in budgets:
@@ -180,7 +184,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"# Selection probe — {report['date']}",
         "",
         f"- Machine: {report['machine']}; Hugging Face transformers, fp32, no server",
-        f"- Policy `span` (follow {report['settings']['follow']}, pool {DEFAULT.policy.pool_kernel}, "
+        f"- Policy `span` (follow {report['settings']['follow']}, long_follow {DEFAULT.policy.long_follow} "
+        f"at {report['settings']['long_places']} place(s), pool {DEFAULT.policy.pool_kernel}, "
         f"reach {report['settings']['reach']} at {report['settings']['reach_weight']}), "
         f"window {DEFAULT.window}, sink {DEFAULT.sink}, full layers {list(DEFAULT.full_layers)}; guided: "
         f"layers {report['settings']['guide_layers']}",
@@ -207,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", default="128,256")
     parser.add_argument("--guide-from", type=float, default=DEFAULT.guide_from)
     parser.add_argument("--follow", type=int, default=DEFAULT.policy.follow)
+    parser.add_argument("--long-places", type=int, default=DEFAULT.policy.long_places)
     parser.add_argument("--reach", type=int, default=DEFAULT.policy.reach)
     parser.add_argument("--prompts", default="", help="comma-separated prompt ids (default: every prompt)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
@@ -237,18 +243,18 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             "budgets": budgets,
             "follow": args.follow,
+            "long_places": args.long_places,
             "reach": args.reach,
             "reach_weight": DEFAULT.policy.reach_weight,
             "guide_layers": list(guided),
         },
         "prompts": {},
     }
+    policy = dataclasses.replace(DEFAULT.policy, follow=args.follow, long_places=args.long_places, reach=args.reach)
     probe = AttentionProbe(DEFAULT.window, args.reach, DEFAULT.policy.reach_weight)
     with probe.installed():
         for prompt in prompts:
-            report["prompts"][prompt.prompt_id] = probe_prompt(
-                model, tokenizer, prompt, probe, budgets, guides, args.follow
-            )
+            report["prompts"][prompt.prompt_id] = probe_prompt(model, tokenizer, prompt, probe, budgets, guides, policy)
             write_json(paths, report)
             paths.markdown.write_text(markdown(report))
     print(f"[probe] wrote {paths.json}, {paths.markdown}")

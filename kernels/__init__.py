@@ -20,7 +20,7 @@ from .extend_attention import (
     extend_attention_with_stats_torch,
     extend_attention_with_stats_triton,
 )
-from .selection import pool_scores, select_kept, spread_scores
+from .selection import best_places, pool_scores, select_kept, spread_scores
 from .window_scores import (
     WindowScoreConfig,
     window_scores,
@@ -34,6 +34,7 @@ __all__ = [
     "ExtendConfig",
     "ScoreUpdate",
     "WindowScoreConfig",
+    "best_places",
     "compact_kv",
     "compact_kv_torch",
     "compact_kv_triton",

@@ -47,6 +47,41 @@ def spread_scores(scores: torch.Tensor, kv_indptr: torch.Tensor, follow: int) ->
     return _window_max(scores, kv_indptr, follow, 0)
 
 
+def best_places(
+    scores: torch.Tensor, kv_indptr: torch.Tensor, count: int, radius: int, skip_first: int, skip_last: int
+) -> torch.Tensor:
+    """[total_kv, H] bool: per request and head, the ``count`` best places (ties included).
+
+    A place is a key whose score is the largest within ``radius`` keys either side of it in its
+    request, and that lies at least ``skip_first`` keys after the request's start and
+    ``skip_last`` keys before its end. `span` gives its best places a longer follow: the one
+    place a question's attention lands on hardest usually precedes the answer, and a long answer
+    (a UUID, 31 tokens) needs more than the follow every other place gets.
+    """
+    if count < 0 or radius < 0 or skip_first < 0 or skip_last < 0:
+        raise ValueError(
+            f"need count, radius, skip_first, skip_last >= 0; got {count}, {radius}, {skip_first}, {skip_last}"
+        )
+    total = scores.shape[0]
+    if total == 0 or count == 0:
+        return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    seg = segment_ids(kv_indptr, total)
+    pos = positions_in_segment(kv_indptr, total)
+    keys_after = segment_lengths(kv_indptr)[seg] - 1 - pos
+    inside = (pos >= skip_first) & (keys_after >= skip_last)
+    peak = (scores == _window_max(scores, kv_indptr, radius, radius)) & inside[:, None]
+    # Per request and head, the count-th best peak's score: peaks sorted by score, then stably by
+    # request, so each request's peaks lie in its own range of rows, best first.
+    ranked = torch.where(peak, scores.float(), float("-inf"))
+    by_score = torch.sort(ranked, dim=0, descending=True, stable=True)
+    by_request = torch.sort(seg[by_score.indices], dim=0, stable=True).indices
+    best_first = torch.gather(by_score.values, 0, by_request)
+    starts = kv_indptr[:-1].to(torch.int64)
+    last = torch.maximum(starts, kv_indptr[1:].to(torch.int64) - 1)
+    threshold = best_first[torch.minimum(starts + count - 1, last).clamp(max=total - 1)]  # [B, H]
+    return peak & (scores.float() >= threshold[seg])
+
+
 def _window_max(scores: torch.Tensor, kv_indptr: torch.Tensor, before: int, after: int) -> torch.Tensor:
     """Max of each key's score over the keys from ``before`` keys before it to ``after`` keys
     after it, clipped to its request: the max of a look-back and a look-ahead running max."""

@@ -62,7 +62,9 @@ def sparse_extend(
     requests = segment_ids(kv_indptr, k_all.shape[0])  # each key's request in the batch
     scores = None
     if scoring:
-        inputs = PrefillScoringInputs(q, k_all, lse, plan.qo_indptr, kv_indptr, positions, sm_scale, plan.window)
+        inputs = PrefillScoringInputs(
+            q, k_all, lse, plan.qo_indptr, kv_indptr, positions, sm_scale, plan.window, plan.sink
+        )
         for group in policy_groups(plan, policy):
             mine = group.policy.score(inputs)  # of the whole batch: a batch mixes policies rarely
             scores = mine if scores is None else torch.where(group.mask[requests][:, None], mine, scores)

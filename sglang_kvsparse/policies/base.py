@@ -42,6 +42,7 @@ class PrefillScoringInputs:
     kv_indices: torch.Tensor  # [total_kv] slot ids, request-major, in sequence order
     sm_scale: float
     window: int  # observation window alpha
+    sink: int  # the first keys every selection keeps (attention sinks)
 
     def attention_from_last(self, queries: int) -> torch.Tensor:
         """[total_kv, H_kv] float32: each key's attention from its request's last `queries` new

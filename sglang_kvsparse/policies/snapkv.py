@@ -14,6 +14,12 @@ from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
 POOL_KINDS: tuple[str, ...] = ("max", "avg")
 
 
+def require_count(knob: str, value: object) -> None:
+    """ValueError("<knob>: ...") unless `value` is an integer >= 0 (not a bool)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{knob}: expected an integer >= 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class SnapKVPolicy(ScoringPolicy):
     """Sum of the last ``window`` queries' attention probabilities, plus ``reach_weight`` times that
@@ -47,8 +53,7 @@ class SnapKVPolicy(ScoringPolicy):
             raise ValueError(f"pool_kernel: expected an odd integer >= 1, got {kernel!r}")
         if kernel % 2 == 0:
             raise ValueError(f"pool_kernel: must be odd, got {kernel}")
-        if not isinstance(self.reach, int) or isinstance(self.reach, bool) or self.reach < 0:
-            raise ValueError(f"reach: expected an integer >= 0, got {self.reach!r}")
+        require_count("reach", self.reach)
         weight = self.reach_weight
         if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 <= weight <= 1:
             raise ValueError(f"reach_weight: expected a number in [0, 1], got {weight!r}")

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_kvsparse.kernels import spread_scores
+from sglang_kvsparse.kernels import best_places, spread_scores
 from sglang_kvsparse.policies.base import PrefillScoringInputs
-from sglang_kvsparse.policies.snapkv import SnapKVPolicy
+from sglang_kvsparse.policies.snapkv import SnapKVPolicy, require_count
 
 
 @dataclass(frozen=True)
@@ -16,27 +16,47 @@ class SpanPolicy(SnapKVPolicy):
     """SnapKV's pooled window scores, then each key raised to the best of the `follow` keys
     before it: a question's attention lands on the first token of an answer (a 7-digit number, a
     UUID), and the tokens after it come along, where SnapKV's centred pooling keeps only
-    `pool_kernel // 2` of them. Decode adds attention as SnapKV does; an eviction ranks a row's
-    entries spread the same way (over the row's entries, which are in position order).
+    `pool_kernel // 2` of them. The `long_places` best places of a request's text (per KV head:
+    keys scoring highest within `long_follow` keys either side, past the sink and at least
+    `long_follow` keys before the observed queries, whose own text draws local attention) bring
+    `long_follow` keys along instead. Decode adds attention as SnapKV does; an eviction ranks a
+    row's entries spread by `follow` (over the row's entries, which are in position order; a long
+    place's followers already carry its score from the prefill).
 
     Defaults (docs/config.md): `follow` 8 covers a 7-digit answer after the word the question
     lands on and, at tight budgets, leaves room for more candidates than 16 did (guided, budget
-    64: 5 of 14 RULER answers against 2); `reach` 16 lets a question longer than the window look
-    for its answer (needles).
+    64: 5 of 14 RULER answers against 2); one place with `long_follow` 32 covers a UUID (31
+    tokens) where `follow` 32 everywhere crowded the multi-key answers out; `reach` 16 lets a
+    question longer than the window look for its answer (needles).
     """
 
     follow: int = 8
+    long_follow: int = 32
+    long_places: int = 1
     pool_kernel: int = 7
     reach: int = 16
     name = "span"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.follow, int) or isinstance(self.follow, bool) or self.follow < 0:
-            raise ValueError(f"follow: expected an integer >= 0, got {self.follow!r}")
+        require_count("follow", self.follow)
+        require_count("long_follow", self.long_follow)
+        require_count("long_places", self.long_places)
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
-        return spread_scores(super().score(inputs), inputs.kv_indptr, self.follow)
+        return self.spread(super().score(inputs), inputs.kv_indptr, inputs.sink, inputs.window)
+
+    def spread(self, pooled: torch.Tensor, kv_indptr: torch.Tensor, sink: int, window: int) -> torch.Tensor:
+        """`span`'s scores from SnapKV's pooled ones [total_kv, H_kv] (requests bounded by
+        `kv_indptr`; `sink` and `window` as the selection protects them)."""
+        spread = spread_scores(pooled, kv_indptr, self.follow)
+        if not self.long_places or self.long_follow <= self.follow:
+            return spread
+        observed = window + self.queries_before_window()
+        best = best_places(pooled, kv_indptr, self.long_places, self.long_follow, sink, observed + self.long_follow)
+        # Attention mass is >= 0, so 0 leaves every other key to its `follow` spread.
+        longer = spread_scores(torch.where(best, pooled, 0.0), kv_indptr, self.long_follow)
+        return torch.maximum(spread, longer)
 
     def eviction_scores(self, scores: torch.Tensor, row_indptr: torch.Tensor) -> torch.Tensor:
         return spread_scores(scores, row_indptr, self.follow)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sglang_kvsparse.kernels import pool_scores, select_kept, spread_scores
+from sglang_kvsparse.kernels import best_places, pool_scores, select_kept, spread_scores
 from sglang_kvsparse.kernels.testing import indptr_from_lens
 
 LENS = [1, 7, 30, 4, 19]
@@ -78,6 +78,46 @@ def test_spread_matches_naive_and_stays_in_its_request(follow):
     assert torch.equal(spread, torch.stack(expected))
     with pytest.raises(ValueError, match="follow must be >= 0"):
         spread_scores(scores, indptr_from_lens(LENS, "cpu"), -1)
+
+
+def naive_best_places(scores, lens, count, radius, skip_first, skip_last):
+    """Per request and head: the keys that are the max of their +-radius neighbourhood, inside
+    the skipped edges, scoring at least the count-th best of them."""
+    out, start = [], 0
+    for n in lens:
+        seg = scores[start : start + n]
+        mask = torch.zeros(n, scores.shape[1], dtype=torch.bool)
+        for h in range(scores.shape[1]):
+            peaks = [
+                i
+                for i in range(skip_first, n - skip_last)
+                if seg[i, h] == seg[max(0, i - radius) : i + radius + 1, h].max()
+            ]
+            values = sorted((float(seg[i, h]) for i in peaks), reverse=True)
+            for i in peaks:
+                mask[i, h] = float(seg[i, h]) >= values[min(count, len(values)) - 1]
+        out.append(mask)
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize(
+    "count, radius, skip_first, skip_last", [(1, 3, 1, 4), (2, 0, 0, 0), (3, 5, 2, 2), (0, 2, 0, 0)]
+)
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+def test_best_places_match_naive(count, radius, skip_first, skip_last, ties):
+    """The count best local maxima per request and head, ties included, inside the skipped edges."""
+    scores = torch.rand(sum(LENS), 3, generator=torch.Generator().manual_seed(radius))
+    if ties:  # plateaus, as max pooling makes them
+        scores = (scores * 4).round() / 4
+    best = best_places(scores, indptr_from_lens(LENS, "cpu"), count, radius, skip_first, skip_last)
+    if count == 0:
+        assert not best.any()
+    assert torch.equal(
+        best, naive_best_places(scores, LENS, max(count, 1), radius, skip_first, skip_last) & (count > 0)
+    )
+    with pytest.raises(ValueError, match="need count, radius"):
+        best_places(scores, indptr_from_lens(LENS, "cpu"), -1, radius, skip_first, skip_last)
 
 
 @pytest.mark.parametrize("budget, sink, window", [(10, 2, 3), (5, 0, 0), (6, 6, 0), (30, 1, 1)])

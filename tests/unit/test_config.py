@@ -13,7 +13,7 @@ from sglang_kvsparse.config import (
     SparsityConfigError,
     parse_config,
 )
-from sglang_kvsparse.policies import POLICIES, KeyNormPolicy, SnapKVPolicy, StreamingLLMPolicy
+from sglang_kvsparse.policies import POLICIES, KeyNormPolicy, SnapKVPolicy, SpanPolicy, StreamingLLMPolicy
 
 SMOL_LAYERS, SMOL_CONTEXT = 30, 8192
 
@@ -188,6 +188,10 @@ def test_direct_construction_is_validated_and_normalized():
         SnapKVPolicy(reach=-1)
     with pytest.raises(ValueError, match=r"reach_weight: expected a number in \[0, 1\]"):
         SnapKVPolicy(reach_weight=2)
+    with pytest.raises(ValueError, match="long_follow: expected an integer >= 0"):
+        SpanPolicy(long_follow=-2)
+    with pytest.raises(ValueError, match="long_places: expected an integer >= 0"):
+        SpanPolicy(long_places=True)
     with pytest.raises(SparsityConfigError, match="policy: expected a scoring policy"):
         SparsityConfig(policy="snapkv")
     config = SparsityConfig(full_layers=[3, 0], budget=[64, 128])
@@ -215,6 +219,9 @@ def test_known_policies_and_describe():
     assert {"snapkv", "streamingllm", "keynorm"} <= set(POLICIES)
     assert parse_config('{"policy": "streamingllm"}').policy == StreamingLLMPolicy()
     assert "snapkv (pool_kind max, pool_kernel 15, reach 0, reach_weight 0.25)" in PRESETS["snapkv"].describe()
-    assert "span (pool_kind max, pool_kernel 7, reach 16, reach_weight 0.25, follow 8)" in PRESETS["default"].describe()
+    assert (
+        "span (pool_kind max, pool_kernel 7, reach 16, reach_weight 0.25, follow 8, long_follow 32, long_places 1)"
+        in PRESETS["default"].describe()
+    )
     assert "pyramid" in PRESETS["pyramidkv"].describe()
     assert "64..256" in SparsityConfig(full_layers=(0,), budget=(64, 256)).describe()

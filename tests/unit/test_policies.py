@@ -15,6 +15,7 @@ from sglang_kvsparse.policies import POLICIES, PrefillScoringInputs, SnapKVPolic
 KV_LENS = [37, 80, 53]
 Q_LENS = [37, 24, 53]  # the second request extends a cached prefix of 56 tokens
 WINDOW = 8
+SINK = 2
 
 
 def _inputs(seed: int = 0) -> PrefillScoringInputs:
@@ -38,6 +39,7 @@ def _inputs(seed: int = 0) -> PrefillScoringInputs:
         kv_indices=batch.kv_indices,
         sm_scale=batch.sm_scale,
         window=WINDOW,
+        sink=SINK,
     )
 
 

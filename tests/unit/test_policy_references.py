@@ -32,7 +32,7 @@ STEPS = 22
 #: Small knobs so that pooling and spreading show at these lengths.
 KNOBS: dict[str, dict] = {
     "snapkv": {"pool_kernel": 3},
-    "span": {"pool_kernel": 3, "follow": 2, "reach": 2, "reach_weight": 0.25},
+    "span": {"pool_kernel": 3, "follow": 2, "long_follow": 4, "long_places": 1, "reach": 2, "reach_weight": 0.25},
 }
 
 
@@ -74,10 +74,26 @@ def snapkv(probs, keys, knobs):
     return max_over(mass, range(-(knobs["pool_kernel"] // 2), knobs["pool_kernel"] // 2 + 1))
 
 
+def span(probs, keys, knobs):
+    """SnapKV's scores spread `follow` keys forward; per head, the best local maximum (within
+    `long_follow` keys either side) past the sink and `long_follow` keys before the observed
+    queries spread `long_follow` keys forward."""
+    pooled = snapkv(probs, keys, knobs)
+    n, reach = pooled.shape[0], knobs["long_follow"]
+    places = range(SINK, n - (WINDOW + knobs["reach"] + reach))
+    longer = torch.zeros_like(pooled)
+    for h in range(pooled.shape[1]):
+        peaks = [i for i in places if pooled[i, h] == pooled[max(0, i - reach) : i + reach + 1, h].max()]
+        best = max(pooled[i, h] for i in peaks)
+        for i in (i for i in peaks if pooled[i, h] == best):
+            longer[i : i + reach + 1, h] = torch.maximum(longer[i : i + reach + 1, h], best)
+    return torch.maximum(max_over(pooled, range(-knobs["follow"], 1)), longer)
+
+
 HAND: dict[str, HandPolicy] = {
     "snapkv": HandPolicy(snapkv, "add"),
     "span": HandPolicy(
-        lambda probs, keys, knobs: max_over(snapkv(probs, keys, knobs), range(-knobs["follow"], 1)),
+        span,
         "add",
         eviction_rank=lambda scores, knobs: max_over(scores, range(-knobs["follow"], 1)),
     ),
