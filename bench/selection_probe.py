@@ -55,7 +55,8 @@ TASKS, LENGTHS, PER_LENGTH = ["multikey", "uuid"], [2000, 3000], 8
 class AttentionProbe:
     """Replaces transformers' SDPA attention: at prefill it records each layer's window mass
     ([L, H_kv] float64: the last `window` queries' attention, plus `reach_weight` times that of
-    the `reach` queries before them, summed over each KV head's query heads); while generating,
+    the `reach` queries before them on the keys before all of these queries, summed over each KV
+    head's query heads); while generating,
     it hides the prompt keys a layer did not keep."""
 
     def __init__(self, window: int, reach: int, reach_weight: float) -> None:
@@ -81,9 +82,10 @@ class AttentionProbe:
             logits = torch.einsum("hwd,hsd->hws", query[0, :, -w:].double(), keys.double()) * kwargs["scaling"]
             future = torch.arange(n)[None, :] > torch.arange(n - w, n)[:, None]
             probs = logits.masked_fill(future, float("-inf")).softmax(-1)
-            weights = torch.full((w,), self.reach_weight, dtype=torch.float64)
-            weights[-self.window :] = 1.0
-            mass = torch.einsum("hws,w->hs", probs, weights)
+            mass = probs[:, -self.window :].sum(1)
+            before = probs[:, : self.reach].sum(1)
+            before[:, n - w :] = 0  # the reach queries' attention to their own words is not counted
+            mass = mass + self.reach_weight * before
             self.mass[layer] = mass.unflatten(0, (-1, groups)).sum(1).T  # [S, H_kv]
             return self._sdpa(module, query, key, value, mask, **kwargs)
         kept = self.kept.get(layer)

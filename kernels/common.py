@@ -72,6 +72,12 @@ def positions_in_segment(indptr: torch.Tensor, total: int) -> torch.Tensor:
     return torch.arange(total, device=indptr.device) - indptr.to(torch.int64)[seg]
 
 
+def keys_after_in_segment(indptr: torch.Tensor, total: int) -> torch.Tensor:
+    """How many elements follow every element inside its own request (int64; 0 for the last)."""
+    seg = segment_ids(indptr, total)
+    return indptr.to(torch.int64)[seg + 1] - 1 - torch.arange(total, device=indptr.device)
+
+
 def check_group(num_q_heads: int, num_kv_heads: int) -> int:
     """GQA group size G = H_q / H_kv; query head h reads KV head h // G."""
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads:

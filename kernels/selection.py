@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from .common import positions_in_segment, segment_ids, segment_lengths
+from .common import keys_after_in_segment, positions_in_segment, segment_ids, segment_lengths
 
 
 def pool_scores(
@@ -66,9 +66,9 @@ def best_places(
     if total == 0 or count == 0:
         return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     seg = segment_ids(kv_indptr, total)
-    pos = positions_in_segment(kv_indptr, total)
-    keys_after = segment_lengths(kv_indptr)[seg] - 1 - pos
-    inside = (pos >= skip_first) & (keys_after >= skip_last)
+    inside = (positions_in_segment(kv_indptr, total) >= skip_first) & (
+        keys_after_in_segment(kv_indptr, total) >= skip_last
+    )
     peak = (scores == _window_max(scores, kv_indptr, radius, radius)) & inside[:, None]
     # Per request and head, the count-th best peak's score: peaks sorted by score, then stably by
     # request, so each request's peaks lie in its own range of rows, best first.
@@ -88,12 +88,9 @@ def _window_max(scores: torch.Tensor, kv_indptr: torch.Tensor, before: int, afte
     total = scores.shape[0]
     if total == 0 or before + after == 0:
         return scores.clone()
-    seg = segment_ids(kv_indptr, total)
-    pos = torch.arange(total, device=scores.device) - kv_indptr.to(torch.int64)[seg]
-    keys_after = segment_lengths(kv_indptr)[seg] - 1 - pos
-    pooled = _running_max(scores, pos, before, -1)
+    pooled = _running_max(scores, positions_in_segment(kv_indptr, total), before, -1)
     if after:
-        pooled = torch.maximum(pooled, _running_max(scores, keys_after, after, 1))
+        pooled = torch.maximum(pooled, _running_max(scores, keys_after_in_segment(kv_indptr, total), after, 1))
     return pooled
 
 

@@ -68,8 +68,11 @@ def window_mass(probs: torch.Tensor, queries: int) -> torch.Tensor:
 
 
 def snapkv(probs, keys, knobs):
-    """The window's mass, plus `reach_weight` times that of the `reach` queries before it, pooled."""
-    reach = window_mass(probs, WINDOW + knobs.get("reach", 0)) - window_mass(probs, WINDOW)
+    """The window's mass, plus `reach_weight` times that of the `reach` queries before it on the
+    keys before all of these queries, pooled."""
+    observed = WINDOW + knobs.get("reach", 0)
+    reach = probs[:, -observed:-WINDOW].sum(1).T if observed > WINDOW else torch.zeros_like(probs[:, 0].T)
+    reach[probs.shape[-1] - observed :] = 0
     mass = window_mass(probs, WINDOW) + knobs.get("reach_weight", 0.25) * reach
     return max_over(mass, range(-(knobs["pool_kernel"] // 2), knobs["pool_kernel"] // 2 + 1))
 
