@@ -116,9 +116,11 @@ def build_prompts() -> list[retrieval.RetrievalPrompt]:
     return retrieval.passkey_prompts() + retrieval.needle_prompts(essays)
 
 
-def build_ruler_prompts(tasks: list[str], lengths: list[int], per_length: int) -> list[ruler.RulerPrompt]:
+def build_ruler_prompts(
+    seeds: list[int], tasks: list[str], lengths: list[int], per_length: int
+) -> list[ruler.RulerPrompt]:
     essays = essay_text(ruler.min_essay_chars(lengths))
-    return ruler.ruler_prompts(essays, tasks=tasks, lengths=lengths, per_length=per_length)
+    return ruler.ruler_suite(essays, seeds, tasks, lengths, per_length)
 
 
 def ask(base_url: str, prompt: retrieval.RetrievalPrompt | ruler.RulerPrompt, max_new_tokens: int) -> dict[str, Any]:
@@ -378,7 +380,8 @@ def ruler_markdown(report: dict[str, Any]) -> list[str]:
         "",
         f"{len(report['ruler_prompt_ids'])} prompts of `kvsparse_testbed.ruler` "
         f"({', '.join(report['settings']['ruler_tasks'])}; "
-        f"{report['settings']['ruler_per_length']} per task and length, haystacks of "
+        f"{report['settings']['ruler_per_length']} per task and length and seed "
+        f"{', '.join(map(str, report['settings']['ruler_seeds']))}, haystacks of "
         f"{', '.join(f'{n:,}' for n in report['settings']['ruler_lengths'])} tokens; prompts of "
         f"{token_range(report, report['ruler_prompt_ids'])} tokens), greedy, {ruler.MAX_NEW_TOKENS} "
         "new tokens; an answer counts when it holds every expected value.",
@@ -630,6 +633,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ruler-per-length", type=int, default=ruler.DEFAULT_PER_LENGTH, help="ruler prompts per task and length"
     )
+    parser.add_argument(
+        "--ruler-seeds",
+        type=_ints,
+        default=[0],
+        help="the ruler prompts of each of these seeds (the suite grows by a seed)",
+    )
     parser.add_argument("--lm-context-lens", type=_ints, default=list(continuations.DEFAULT_CONTEXT_LENS))
     parser.add_argument(
         "--lm-passages", type=int, default=continuations.DEFAULT_PASSAGES_PER_LEN, help="passages per context length"
@@ -665,7 +674,12 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompts[: args.limit] if args.limit else prompts
     ruler_prompts = []
     if "ruler" in suites:
-        ruler_prompts = build_ruler_prompts(args.ruler_tasks, args.ruler_lengths, args.ruler_per_length)
+        try:
+            ruler_prompts = build_ruler_prompts(
+                args.ruler_seeds, args.ruler_tasks, args.ruler_lengths, args.ruler_per_length
+            )
+        except ValueError as exc:
+            parser.error(str(exc))
     ruler_prompts = ruler_prompts[: args.limit] if args.limit else ruler_prompts
     kvpress_ruler = None
     if ruler_prompts and not args.no_kvpress and args.kvpress_ruler is not None:
@@ -696,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
             "ruler_tasks": args.ruler_tasks,
             "ruler_lengths": args.ruler_lengths,
             "ruler_per_length": args.ruler_per_length,
+            "ruler_seeds": args.ruler_seeds,
             "lm_context_lens": args.lm_context_lens,
             "lm_passages_per_len": args.lm_passages,
             "lm_continuation_len": args.lm_continuation,

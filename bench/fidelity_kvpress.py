@@ -334,7 +334,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ruler-tasks", default=",".join(ruler.TASKS))
     parser.add_argument("--ruler-lengths", default=",".join(map(str, ruler.DEFAULT_LENGTHS)))
     parser.add_argument("--ruler-per-length", type=int, default=ruler.DEFAULT_PER_LENGTH)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--ruler-seeds", default="0", help="comma-separated: the ruler prompts of each seed (the suite grows by a seed)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the passkey and needle prompts' seed")
     parser.add_argument(
         "--max-new-tokens", type=int, default=16, help=f"retrieval prompts ({ruler.MAX_NEW_TOKENS} for ruler ones)"
     )
@@ -346,6 +349,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--stem", help="report name (default fidelity-kvpress-<date>)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the answers the report of this name holds for prompts still asked (same settings but "
+        "--ruler-seeds); run the rest",
+    )
     return parser.parse_args(argv)
 
 
@@ -411,12 +420,38 @@ def build_prompts(args: argparse.Namespace) -> list[Prompt]:
         elif suite == "ruler":
             ruler_lengths = [int(n) for n in args.ruler_lengths.split(",")]
             essays = essay_text(ruler.min_essay_chars(ruler_lengths))
-            prompts += ruler.ruler_prompts(
-                essays, args.seed, args.ruler_tasks.split(","), ruler_lengths, args.ruler_per_length
+            prompts += ruler.ruler_suite(
+                essays, ruler_seeds(args), args.ruler_tasks.split(","), ruler_lengths, args.ruler_per_length
             )
         else:
             raise ValueError(f"unknown suite {suite!r} (passkey, needle, ruler)")
     return prompts[: args.limit] if args.limit else prompts
+
+
+def ruler_seeds(args: argparse.Namespace) -> list[int]:
+    return [int(seed) for seed in args.ruler_seeds.split(",") if seed]
+
+
+#: Settings a resumed run may change: which seeds' RULER prompts it asks. Any other difference
+#: changes what a kept answer means.
+_GROWABLE_SETTINGS = ("ruler_seeds",)
+
+
+def kept_records(paths: ReportPaths, settings: dict[str, Any], prompts: list[Prompt]) -> dict[str, dict[str, Any]]:
+    """For --resume: the earlier report's record of every prompt still asked (same id and answer),
+    by prompt id; nothing when there is no earlier report. Exits when it ran other settings."""
+    if not paths.json.is_file():
+        return {}
+    earlier = json.loads(paths.json.read_text())
+
+    def fixed(values: dict[str, Any]) -> dict[str, Any]:
+        return {key: value for key, value in values.items() if key not in _GROWABLE_SETTINGS}
+
+    if fixed(earlier["settings"]) != fixed(settings):
+        changed = sorted(k for k in fixed(settings) if earlier["settings"].get(k) != settings[k])
+        raise SystemExit(f"--resume: {paths.json} was run with other settings ({', '.join(changed)}); drop --resume")
+    answers = {prompt.prompt_id: prompt.answer for prompt in prompts}
+    return {r["prompt_id"]: r for r in earlier["prompts"] if answers.get(r["prompt_id"]) == r["answer"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -460,14 +495,22 @@ def main(argv: list[str] | None = None) -> int:
             "ruler_tasks": args.ruler_tasks.split(","),
             "ruler_lengths": [int(n) for n in args.ruler_lengths.split(",")],
             "ruler_per_length": args.ruler_per_length,
+            "ruler_seeds": ruler_seeds(args),
             "presses_on_prompts_the_full_cache_misses": args.all_prompts,
             "compression_ratio": "1 - (budget + 0.5) / prompt_tokens, whole prompt compressed",
         },
         "prompts": [],
     }
-    print(f"[fidelity-kvpress] {len(prompts)} prompts, methods {list(methods)}, budgets {budgets}")
+    earlier = kept_records(paths, report["settings"], prompts) if args.resume else {}
+    print(
+        f"[fidelity-kvpress] {len(prompts)} prompts ({len(earlier)} kept from {paths.json.name}), "
+        f"methods {list(methods)}, budgets {budgets}"
+    )
     started = time.monotonic()
     for number, prompt in enumerate(prompts, 1):
+        if prompt.prompt_id in earlier:
+            report["prompts"].append(earlier[prompt.prompt_id])
+            continue
         tick = time.monotonic()
         ids = chat_ids(tokenizer, prompt.user_message)
         n = ids.shape[1]
@@ -477,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             for budget in budgets
             if budget < n
         }
-        if number == 1:
+        if "fan_out_check" not in report:  # the first prompt this run asks
             report["fan_out_check"] = check_fan_out(model, ids, presses)
             print(f"[fidelity-kvpress] fan-out matches kvpress's own path: {report['fan_out_check']}")
         first_logits, full, caches = prefill_fan_out(model, ids, presses)
@@ -511,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {hits} ({record['seconds']['total']} s, {time.monotonic() - started:.0f} s so far)",
             flush=True,
         )
+    write_report(paths, report)  # again, for kept prompts after the last one asked
     print(f"[fidelity-kvpress] wrote {paths.json} and {paths.markdown}")
     print(paths.markdown.read_text())
     return 0

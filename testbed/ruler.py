@@ -166,11 +166,14 @@ def ruler_prompts(
     lengths: Sequence[int] = DEFAULT_LENGTHS,
     per_length: int = DEFAULT_PER_LENGTH,
 ) -> list[RulerPrompt]:
-    """`per_length` prompts per (task, length), each on its own seed-chosen stretch of `essays`."""
+    """`per_length` prompts per (task, length), each on its own seed-chosen stretch of `essays`.
+    Their ids carry the seed (`ruler-s1-multikey-2000-0`), except seed 0's (`ruler-multikey-2000-0`),
+    which keep the ids of the reports made before seeds could be combined."""
     unknown = [task for task in tasks if task not in _BUILDERS]
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; known: {', '.join(TASKS)}")
     rng = random.Random(f"ruler-{seed}")
+    id_prefix = "ruler-" if seed == 0 else f"ruler-s{seed}-"
     paragraph_starts = [0] + [m.end() for m in re.finditer(r"\n\s*\n", essays)]
     prompts = []
     for task in tasks:
@@ -188,7 +191,7 @@ def ruler_prompts(
                 prompts.append(
                     RulerPrompt(
                         suite=task,
-                        prompt_id=f"ruler-{task}-{length}-{index}",
+                        prompt_id=f"{id_prefix}{task}-{length}-{index}",
                         user_message=f"{_INTRO}{body}\n\n{question}",
                         expected=expected,
                         target_tokens=length,
@@ -196,6 +199,20 @@ def ruler_prompts(
                     )
                 )
     return prompts
+
+
+def ruler_suite(
+    essays: str,
+    seeds: Sequence[int] = (0,),
+    tasks: Sequence[str] = TASKS,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    per_length: int = DEFAULT_PER_LENGTH,
+) -> list[RulerPrompt]:
+    """`ruler_prompts` of every seed in turn: a suite grows by a seed without changing the prompts
+    earlier reports measured (one seed's prompts depend on its `per_length`, `tasks` and `lengths`)."""
+    if len(set(seeds)) != len(seeds) or not seeds:
+        raise ValueError(f"seeds must be distinct and at least one, got {list(seeds)}")
+    return [prompt for seed in seeds for prompt in ruler_prompts(essays, seed, tasks, lengths, per_length)]
 
 
 def min_essay_chars(lengths: Sequence[int] = DEFAULT_LENGTHS) -> int:

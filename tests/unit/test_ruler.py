@@ -78,3 +78,18 @@ def test_unknown_task_and_short_essays_are_refused():
         ruler.ruler_prompts(SYNTHETIC_ESSAYS, tasks=("needle",))
     with pytest.raises(ValueError, match="shorter than"):
         ruler.ruler_prompts("Too short. Really.", lengths=(100,))
+
+
+def test_a_suite_grows_by_a_seed_keeping_the_earlier_prompts_and_their_ids():
+    def suite(seeds: tuple[int, ...]) -> list[ruler.RulerPrompt]:
+        return ruler.ruler_suite(SYNTHETIC_ESSAYS, seeds, lengths=LENGTHS, per_length=2)
+
+    first, both = suite((0,)), suite((0, 1))
+    assert both[: len(first)] == first and len(both) == 2 * len(first)
+    assert first[0].prompt_id == f"ruler-{ruler.TASKS[0]}-{LENGTHS[0]}-0"  # seed 0: the ids of earlier reports
+    assert all(p.prompt_id.startswith("ruler-s1-") for p in both[len(first) :])
+    assert len({p.prompt_id for p in both}) == len(both)
+    assert {p.user_message for p in both[len(first) :]}.isdisjoint(p.user_message for p in first)
+    for seeds in ((0, 0), ()):
+        with pytest.raises(ValueError, match="distinct and at least one"):
+            suite(seeds)
