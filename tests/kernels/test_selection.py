@@ -102,22 +102,24 @@ def naive_best_places(scores, lens, count, radius, skip_first, skip_last):
 
 
 @pytest.mark.parametrize(
-    "count, radius, skip_first, skip_last", [(1, 3, 1, 4), (2, 0, 0, 0), (3, 5, 2, 2), (0, 2, 0, 0)]
+    "count, radius, skip_first, skip_last", [(1, 3, 1, 4), (1, 0, 0, 0), (2, 0, 0, 0), (3, 5, 2, 2), (0, 2, 0, 0)]
 )
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
-def test_best_places_match_naive(count, radius, skip_first, skip_last, ties):
-    """The count best local maxima per request and head, ties included, inside the skipped edges."""
-    scores = torch.rand(sum(LENS), 3, generator=torch.Generator().manual_seed(radius))
+@pytest.mark.parametrize("lens", [LENS, [0, 1, 7, 0, 30, 4, 19, 0]], ids=["lens", "empty-requests"])
+def test_best_places_match_naive(count, radius, skip_first, skip_last, ties, lens):
+    """The count best local maxima per request and head, ties included, inside the skipped edges
+    (count 1 takes its own path: a per-request max, no sort)."""
+    scores = torch.rand(sum(lens), 3, generator=torch.Generator().manual_seed(radius))
     if ties:  # plateaus, as max pooling makes them
         scores = (scores * 4).round() / 4
-    best = best_places(scores, indptr_from_lens(LENS, "cpu"), count, radius, skip_first, skip_last)
+    best = best_places(scores, indptr_from_lens(lens, "cpu"), count, radius, skip_first, skip_last)
     if count == 0:
         assert not best.any()
     assert torch.equal(
-        best, naive_best_places(scores, LENS, max(count, 1), radius, skip_first, skip_last) & (count > 0)
+        best, naive_best_places(scores, lens, max(count, 1), radius, skip_first, skip_last) & (count > 0)
     )
     with pytest.raises(ValueError, match="need count, radius"):
-        best_places(scores, indptr_from_lens(LENS, "cpu"), -1, radius, skip_first, skip_last)
+        best_places(scores, indptr_from_lens(lens, "cpu"), -1, radius, skip_first, skip_last)
 
 
 @pytest.mark.parametrize("budget, sink, window", [(10, 2, 3), (5, 0, 0), (6, 6, 0), (30, 1, 1)])
