@@ -558,12 +558,13 @@ def latest_report(prefix: str) -> Path | None:
 
 
 #: Report fields that must be equal for `--resume` to reuse an earlier run's systems (of its
-#: settings, all but which variants and budgets run: a kept system must also have the same flags).
-#: kvpress's reports are not among them: they are references, read again for every write (the
-#: retrieval prompts one selects are in `prompt_ids`), so a resumed run redraws its tables against
-#: the latest (a finished run resumed only redraws).
-_RUN_IDENTITY = ("server_args", "prompt_ids", "ruler_prompt_ids", "passage_ids")
-_PLAN_SETTINGS = ("variants", "budgets")
+#: settings, all but which variants, budgets and RULER seeds run: a kept system must also have the
+#: same flags, and asks only the RULER prompts of seeds added since). kvpress's reports are not
+#: among them: they are references, read again for every write (the retrieval prompts one selects
+#: are in `prompt_ids`), so a resumed run redraws its tables against the latest (a finished run
+#: resumed only redraws).
+_RUN_IDENTITY = ("server_args", "prompt_ids", "passage_ids")
+_PLAN_SETTINGS = ("variants", "budgets", "ruler_seeds")
 
 
 def resumable(paths: ReportPaths, report: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -577,10 +578,33 @@ def resumable(paths: ReportPaths, report: dict[str, Any]) -> dict[str, dict[str,
         return {key: value for key, value in settings.items() if key not in _PLAN_SETTINGS}
 
     same_settings = measured(earlier["settings"]) == measured(report["settings"])
-    if not same_settings or any(earlier.get(key) != report.get(key) for key in _RUN_IDENTITY):
+    ruler_now = set(zip(report["ruler_prompt_ids"], report["ruler_answers"], strict=True))
+    same_ruler = set(zip(earlier["ruler_prompt_ids"], earlier["ruler_answers"], strict=True)) <= ruler_now
+    if not (same_settings and same_ruler) or any(earlier.get(key) != report.get(key) for key in _RUN_IDENTITY):
         raise SystemExit(f"--resume: {paths.json} was run with other settings; move it away or drop --resume")
     report["full_greedy_continuations"] = earlier["full_greedy_continuations"]
     return {s["name"]: s for s in earlier["systems"] if s["error"] is None}
+
+
+def not_yet_asked(system: dict[str, Any], prompts: list, report: dict[str, Any]) -> list:
+    """Of `prompts`, those a kept `system` has not answered, nor skipped as no longer than its
+    budget (by the full cache's token counts, in `report`): the prompts of RULER seeds added
+    since it ran."""
+    new = [p for p in prompts if p.prompt_id not in system["answers"]]
+    if system["budget"] is None:
+        return new
+    full = next(s for s in report["systems"] if s["name"] == FULL)["answers"]
+    return [p for p in new if full[p.prompt_id]["prompt_tokens"] > system["budget"]]
+
+
+def extend(kept: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """A kept system with the answers of its run on the prompts it had not been asked."""
+    return {
+        **kept,
+        "answers": {**kept["answers"], **more["answers"]},
+        "error": more["error"],
+        "seconds": kept["seconds"] + more["seconds"],
+    }
 
 
 def _ints(text: str) -> list[int]:
@@ -736,22 +760,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     done = resumable(paths, report) if args.resume else {}
     for name, flags, budget in plan:
-        if name in done and done[name]["flags"] == list(flags):
-            say(f"[{name}] kept from {paths.json.name}")
-            report["systems"].append(done[name])
-            continue
+        kept = done.get(name) if name in done and done[name]["flags"] == list(flags) else None
+        asked = prompts_to_ask(report, prompts + ruler_prompts, args.all_prompts)
+        if kept is not None:
+            asked = not_yet_asked(kept, asked, report)
+            say(f"[{name}] kept from {paths.json.name}" + (f"; asking {len(asked)} new prompts" if asked else ""))
+            if not asked:
+                report["systems"].append(kept)
+                continue
         system = run_system(
             name,
             flags,
             shared,
-            prompts_to_ask(report, prompts + ruler_prompts, args.all_prompts),
-            passages,
+            asked,
+            [] if kept is not None else passages,  # a kept system scored them already
             report["full_greedy_continuations"],
             budget,
             log_dir,
             args.max_new_tokens,
         )
-        report["systems"].append(system)
+        report["systems"].append(system if kept is None else extend(kept, system))
         write_report(paths, report, {"retrieval": kvpress, "ruler": kvpress_ruler, "lm": kvpress_lm})
         if name == FULL and system["error"] is not None:
             say("the full cache failed: nothing to compare with")

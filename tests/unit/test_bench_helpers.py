@@ -179,3 +179,44 @@ def test_sparse_systems_are_asked_only_what_the_full_cache_answered() -> None:
     report["systems"].append({"name": "full", "answers": {"a": {"correct": True}, "b": {"correct": False}}})
     assert [p.prompt_id for p in fidelity.prompts_to_ask(report, prompts, all_prompts=False)] == ["a"]
     assert fidelity.prompts_to_ask(report, prompts, all_prompts=True) == prompts
+
+
+def test_a_resumed_run_asks_kept_systems_only_the_prompts_of_added_seeds(tmp_path: Path) -> None:
+    fidelity = _fidelity_module()
+    prompts = [argparse.Namespace(prompt_id=pid) for pid in ("s0-a", "s0-short", "s1-a", "s1-short")]
+    full = {"name": "full", "budget": None, "answers": {"s0-a": {"prompt_tokens": 3000}}, "seconds": 9, "error": None}
+    assert [p.prompt_id for p in fidelity.not_yet_asked(full, prompts, {"systems": []})] == [
+        "s0-short",
+        "s1-a",
+        "s1-short",
+    ]
+    full["answers"].update({pid: {"prompt_tokens": 3000 if pid.endswith("a") else 100} for pid in ("s1-a", "s1-short")})
+    full["answers"]["s0-short"] = {"prompt_tokens": 100}
+    report = {"systems": [full]}
+    sparse = {"name": "d-256", "budget": 256, "answers": {"s0-a": {"correct": True}}, "seconds": 5, "error": None}
+    assert [p.prompt_id for p in fidelity.not_yet_asked(sparse, prompts, report)] == ["s1-a"]  # short ones skipped
+    more = {"name": "d-256", "budget": 256, "answers": {"s1-a": {"correct": False}}, "seconds": 2, "error": None}
+    merged = fidelity.extend(sparse, more)
+    assert merged["answers"].keys() == {"s0-a", "s1-a"} and merged["seconds"] == 7 and merged["error"] is None
+
+    paths = fidelity.ReportPaths(tmp_path, "fidelity-x")
+    earlier = {
+        "settings": {"budgets": [256], "ruler_seeds": [0], "ruler_per_length": 8},
+        "server_args": ["--x"],
+        "prompt_ids": [],
+        "passage_ids": [],
+        "ruler_prompt_ids": ["s0-a"],
+        "ruler_answers": ["123"],
+        "full_greedy_continuations": {},
+        "systems": [full, sparse, {**sparse, "name": "d-512", "error": "boom"}],
+    }
+    paths.json.write_text(json.dumps(earlier))
+    grown = {**earlier, "settings": {**earlier["settings"], "ruler_seeds": [0, 1]}, "systems": []}
+    grown.update(ruler_prompt_ids=["s0-a", "s1-a"], ruler_answers=["123", "456"])
+    assert set(fidelity.resumable(paths, grown)) == {"full", "d-256"}  # a failed system runs again
+    for changed in (
+        {"ruler_answers": ["999", "456"]},  # seed 0's prompt is not the one measured
+        {"settings": {**grown["settings"], "ruler_per_length": 9}},
+    ):
+        with pytest.raises(SystemExit, match="other settings"):
+            fidelity.resumable(paths, {**grown, **changed})
