@@ -437,12 +437,14 @@ def ruler_seeds(args: argparse.Namespace) -> list[int]:
 _GROWABLE_SETTINGS = ("ruler_seeds",)
 
 
-def kept_records(paths: ReportPaths, settings: dict[str, Any], prompts: list[Prompt]) -> dict[str, dict[str, Any]]:
+def kept_records(paths: ReportPaths, report: dict[str, Any], prompts: list[Prompt]) -> dict[str, dict[str, Any]]:
     """For --resume: the earlier report's record of every prompt still asked (same id and answer),
-    by prompt id; nothing when there is no earlier report. Exits when it ran other settings."""
+    by prompt id, and its fan-out check (into `report`: the same settings, kvpress's version among
+    them, need it once); nothing when there is no earlier report. Exits when it ran other settings."""
     if not paths.json.is_file():
         return {}
     earlier = json.loads(paths.json.read_text())
+    settings = report["settings"]
 
     def fixed(values: dict[str, Any]) -> dict[str, Any]:
         return {key: value for key, value in values.items() if key not in _GROWABLE_SETTINGS}
@@ -450,6 +452,8 @@ def kept_records(paths: ReportPaths, settings: dict[str, Any], prompts: list[Pro
     if fixed(earlier["settings"]) != fixed(settings):
         changed = sorted(k for k in fixed(settings) if earlier["settings"].get(k) != settings[k])
         raise SystemExit(f"--resume: {paths.json} was run with other settings ({', '.join(changed)}); drop --resume")
+    if "fan_out_check" in earlier:
+        report["fan_out_check"] = earlier["fan_out_check"]
     answers = {prompt.prompt_id: prompt.answer for prompt in prompts}
     return {r["prompt_id"]: r for r in earlier["prompts"] if answers.get(r["prompt_id"]) == r["answer"]}
 
@@ -501,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "prompts": [],
     }
-    earlier = kept_records(paths, report["settings"], prompts) if args.resume else {}
+    earlier = kept_records(paths, report, prompts) if args.resume else {}
     print(
         f"[fidelity-kvpress] {len(prompts)} prompts ({len(earlier)} kept from {paths.json.name}), "
         f"methods {list(methods)}, budgets {budgets}"
@@ -520,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
             for budget in budgets
             if budget < n
         }
-        if "fan_out_check" not in report:  # the first prompt this run asks
+        if "fan_out_check" not in report:  # the first prompt asked for this report
             report["fan_out_check"] = check_fan_out(model, ids, presses)
             print(f"[fidelity-kvpress] fan-out matches kvpress's own path: {report['fan_out_check']}")
         first_logits, full, caches = prefill_fan_out(model, ids, presses)
