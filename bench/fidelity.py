@@ -414,7 +414,7 @@ def task_table(report: dict[str, Any], acc: dict[str, Any]) -> list[str]:
     for system in report["systems"]:
         cells = []
         for task in tasks:
-            runs = [a for pid, a in system["answers"].items() if pid in solved and pid.startswith(f"ruler-{task}-")]
+            runs = [a for pid, a in system["answers"].items() if pid in solved and ruler.task_of(pid) == task]
             cells.append(f"{sum(a['correct'] for a in runs)}/{len(runs)}" if runs else "—")
         lines.append(f"| {system['name']} | " + " | ".join(cells) + " |")
     return lines

@@ -215,6 +215,14 @@ def ruler_suite(
     return [prompt for seed in seeds for prompt in ruler_prompts(essays, seed, tasks, lengths, per_length)]
 
 
+def task_of(prompt_id: str) -> str:
+    """The task of a prompt by its id (`ruler-multikey-2000-0`, `ruler-s1-uuid-3000-7`)."""
+    found = re.fullmatch(r"ruler-(?:s\d+-)?([a-z]+)-\d+-\d+", prompt_id)
+    if found is None:
+        raise ValueError(f"not a ruler prompt id: {prompt_id!r}")
+    return found.group(1)
+
+
 def min_essay_chars(lengths: Sequence[int] = DEFAULT_LENGTHS) -> int:
     """How much essay text `ruler_prompts` needs: several times the longest haystack, for variety."""
     return 4 * round(max(lengths) * NEEDLE_CHARS_PER_TOKEN)

@@ -89,6 +89,9 @@ def test_a_suite_grows_by_a_seed_keeping_the_earlier_prompts_and_their_ids():
     assert first[0].prompt_id == f"ruler-{ruler.TASKS[0]}-{LENGTHS[0]}-0"  # seed 0: the ids of earlier reports
     assert all(p.prompt_id.startswith("ruler-s1-") for p in both[len(first) :])
     assert len({p.prompt_id for p in both}) == len(both)
+    assert all(ruler.task_of(p.prompt_id) == p.suite for p in both)
+    with pytest.raises(ValueError, match="not a ruler prompt id"):
+        ruler.task_of("needle-3300-d50")
     assert {p.user_message for p in both[len(first) :]}.isdisjoint(p.user_message for p in first)
     for seeds in ((0, 0), ()):
         with pytest.raises(ValueError, match="distinct and at least one"):
