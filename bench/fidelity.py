@@ -784,6 +784,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == FULL and system["error"] is not None:
             say("the full cache failed: nothing to compare with")
             break
+    # Once more: a resumed run that kept every system redraws its tables against today's kvpress.
+    write_report(paths, report, {"retrieval": kvpress, "ruler": kvpress_ruler, "lm": kvpress_lm})
     print(paths.markdown.read_text(), flush=True)
     say(f"wrote {paths.json}, {paths.markdown}, {paths.png}")
     return 0 if all(s["error"] is None for s in report["systems"]) else 1
