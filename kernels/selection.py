@@ -71,9 +71,10 @@ def best_places(
         keys_after_in_segment(kv_indptr, total) >= skip_last
     )
     peak = (scores == _window_max(scores, kv_indptr, radius, radius)) & inside[:, None]
-    ranked = torch.where(peak, scores.float(), float("-inf"))
+    values = scores.float()
+    ranked = torch.where(peak, values, float("-inf"))
     threshold = _best_peak(ranked, seg, kv_indptr) if count == 1 else _count_th_peak(ranked, seg, kv_indptr, count)
-    return peak & (scores.float() >= threshold[seg])
+    return peak & (values >= threshold[seg])
 
 
 def _best_peak(ranked: torch.Tensor, seg: torch.Tensor, kv_indptr: torch.Tensor) -> torch.Tensor:

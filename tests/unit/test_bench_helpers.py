@@ -197,7 +197,7 @@ def test_a_resumed_run_asks_kept_systems_only_the_prompts_of_added_seeds(tmp_pat
     assert [p.prompt_id for p in fidelity.not_yet_asked(sparse, prompts, report)] == ["s1-a"]  # short ones skipped
     more = {"name": "d-256", "budget": 256, "answers": {"s1-a": {"correct": False}}, "seconds": 2, "error": None}
     merged = fidelity.extend(sparse, more)
-    assert merged["answers"].keys() == {"s0-a", "s1-a"} and merged["seconds"] == 7 and merged["error"] is None
+    assert merged["answers"].keys() == {"s0-a", "s1-a"} and merged["error"] is None
 
     paths = fidelity.ReportPaths(tmp_path, "fidelity-x")
     earlier = {
