@@ -2,10 +2,13 @@
 
 For request b the window is its last ``min(window, q_len_b)`` new query tokens. The score of key j
 for KV head h is the sum, over window queries that can see j and over the G query heads of h, of the
-softmax probability ``exp(q.k * sm_scale - lse)``. Because the LSE is already known, one pass
-suffices. Keys are the outer loop (one program per request, key block and KV head) so each key's
-sum over queries is a register-resident row sum that is stored once, with no atomics; only window
-queries are read, and query blocks that sit causally before the key block are skipped.
+softmax probability ``exp(q.k * sm_scale - lse)``. With ``reach`` the ``reach`` queries before the
+window (those that are new) add ``reach_weight`` times their probabilities on the keys before all
+``window + reach`` of the request's last keys (their own words draw local attention, not the
+question's pull), in the same pass. Because the LSE is already known, one pass suffices. Keys are
+the outer loop (one program per request, key block and KV head) so each key's sum over queries is
+a register-resident row sum that is stored once, with no atomics; only observed queries are read,
+and query blocks that sit causally before the key block are skipped.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ def _window_scores_kernel(
     kv_indptr,
     kv_indices,
     window,
+    reach,
+    reach_weight,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -88,8 +93,10 @@ def _window_scores_kernel(
         return
     q_end = tl.load(qo_indptr + req + 1)
     q_len = q_end - tl.load(qo_indptr + req)
-    win = tl.minimum(window, q_len)
-    win_first_pos = kv_len - win  # causal position of the first window query
+    observed = tl.minimum(window + reach, q_len)  # the reach queries, then the window's
+    reach_rows = observed - tl.minimum(window, q_len)
+    first_pos = kv_len - observed  # causal position of the first observed query
+    own_from = kv_len - window - reach  # keys the reach queries leave out
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < kv_len
@@ -108,12 +115,12 @@ def _window_scores_kernel(
     head = kv_head * GROUP + offs_r % GROUP
     r_ok = offs_r < TOK * GROUP
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    # Window queries before index (n0 - win_first_pos) cannot see any key of this block.
-    i_first = tl.maximum(n0 - win_first_pos, 0)
-    for i0 in range((i_first // TOK) * TOK, win, TOK):
+    # Observed queries before index (n0 - first_pos) cannot see any key of this block.
+    i_first = tl.maximum(n0 - first_pos, 0)
+    for i0 in range((i_first // TOK) * TOK, observed, TOK):
         i = i0 + offs_r // GROUP
-        row_ok = r_ok & (i < win)
-        row_t = (q_end - win + i).to(tl.int64)
+        row_ok = r_ok & (i < observed)
+        row_t = (q_end - observed + i).to(tl.int64)
         qt = tl.load(
             Q + row_t[None, :] * stride_qt + head[None, :] * stride_qh + offs_d[:, None],
             mask=row_ok[None, :] & d_ok[:, None],
@@ -123,10 +130,23 @@ def _window_scores_kernel(
             qt = qt.to(tl.float32)
         lse = tl.load(LSE + row_t * stride_lt + head * stride_lh, mask=row_ok, other=0.0)
         s = tl.dot(k, qt, input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_R], log2 units
-        visible = (offs_n[:, None] <= (win_first_pos + i)[None, :]) & row_ok[None, :]
-        p = tl.where(visible, tl.exp2(s - lse[None, :] * LOG2E_C), 0.0)
+        in_reach = i < reach_rows
+        visible = (offs_n[:, None] <= (first_pos + i)[None, :]) & row_ok[None, :]
+        visible = visible & ((offs_n[:, None] < own_from) | ~in_reach[None, :])
+        weight = tl.where(in_reach, reach_weight, 1.0)
+        p = tl.where(visible, tl.exp2(s - lse[None, :] * LOG2E_C) * weight[None, :], 0.0)
         acc += tl.sum(p, 1)
     tl.store(S + (kv_start + offs_n) * stride_st + kv_head * stride_sh, acc, mask=n_ok)
+
+
+def check_window(window: int, reach: int, reach_weight: float) -> None:
+    """ValueError unless window >= 1, reach >= 0 and reach_weight in [0, 1]."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if reach < 0:
+        raise ValueError(f"reach must be >= 0, got {reach}")
+    if not 0 <= reach_weight <= 1:
+        raise ValueError(f"reach_weight must be in [0, 1], got {reach_weight}")
 
 
 def _scores_out(kv_indices: torch.Tensor, num_kv_heads: int, out: torch.Tensor | None) -> torch.Tensor:
@@ -146,13 +166,14 @@ def window_scores_triton(
     window: int,
     sm_scale: float,
     *,
+    reach: int = 0,
+    reach_weight: float = 0.0,
     max_kv_len: int | None = None,
     out: torch.Tensor | None = None,
     config: WindowScoreConfig | None = None,
 ) -> torch.Tensor:
     """Triton implementation; see :func:`window_scores` for the contract."""
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    check_window(window, reach, reach_weight)
     group = check_group(q.shape[1], k_buf.shape[1])
     cfg = config or default_window_score_config()
     if cfg.block_rows < group:
@@ -174,6 +195,8 @@ def window_scores_triton(
         kv_indptr,
         kv_indices,
         window,
+        reach,
+        float(reach_weight),
         sm_scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -206,6 +229,8 @@ def window_scores_torch(
     window: int,
     sm_scale: float,
     *,
+    reach: int = 0,
+    reach_weight: float = 0.0,
     max_kv_len: int | None = None,
     out: torch.Tensor | None = None,
     config: WindowScoreConfig | None = None,
@@ -215,25 +240,27 @@ def window_scores_torch(
     ``max_kv_len`` and ``config`` only steer the Triton launch and are accepted for signature parity.
     """
     del max_kv_len, config
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    check_window(window, reach, reach_weight)
     group = check_group(q.shape[1], k_buf.shape[1])
     scores = _scores_out(kv_indices, k_buf.shape[1], out)
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     qo = qo_indptr.tolist()
     kv = kv_indptr.tolist()
     for b in range(len(qo) - 1):
-        kv_len = kv[b + 1] - kv[b]
-        win = min(window, qo[b + 1] - qo[b])
-        rows = slice(qo[b + 1] - win, qo[b + 1])
+        kv_len, q_len = kv[b + 1] - kv[b], qo[b + 1] - qo[b]
+        observed = min(window + reach, q_len)
+        reach_rows = observed - min(window, q_len)
+        rows = slice(qo[b + 1] - observed, qo[b + 1])
         k = k_buf[kv_indices[kv[b] : kv[b + 1]].long()].to(acc_dtype)  # [L, H_kv, D]
         qw = q[rows].to(acc_dtype).unflatten(1, (k.shape[1], group))  # [W, H_kv, G, D]
         lw = lse[rows].to(acc_dtype).unflatten(1, (k.shape[1], group))  # [W, H_kv, G]
         logits = torch.einsum("whgd,nhd->whgn", qw, k) * sm_scale
         probs = torch.exp(logits - lw[..., None])
-        pos = kv_len - win + torch.arange(win, device=q.device)
-        visible = torch.arange(kv_len, device=q.device)[None, :] <= pos[:, None]  # [W, L]
-        probs = probs * visible[:, None, None, :]
+        pos = kv_len - observed + torch.arange(observed, device=q.device)
+        keys = torch.arange(kv_len, device=q.device)
+        weight = (keys[None, :] <= pos[:, None]).to(acc_dtype)  # [W, L] causal
+        weight[:reach_rows] *= reach_weight * (keys < kv_len - window - reach)
+        probs = probs * weight[:, None, None, :]
         scores[kv[b] : kv[b + 1]] = probs.sum(dim=(0, 2)).T.to(scores.dtype)
     return scores
 
@@ -248,6 +275,8 @@ def window_scores(
     window: int,
     sm_scale: float,
     *,
+    reach: int = 0,
+    reach_weight: float = 0.0,
     max_kv_len: int | None = None,
     out: torch.Tensor | None = None,
     config: WindowScoreConfig | None = None,
@@ -260,12 +289,16 @@ def window_scores(
         lse: [num_q_tokens, H_q] float32 natural-log LSE from :func:`extend_attention_with_stats`.
         window: observation window size alpha (>= 1); request b uses its last min(alpha, q_len_b)
             new queries.
+        reach, reach_weight: the new queries just before the window (up to `reach`) add
+            `reach_weight` (in [0, 1]) times their probabilities, on the keys before the request's
+            last `window + reach` keys only.
         max_kv_len: longest key sequence, if the caller knows it (avoids a device sync).
         out: optional [total_kv, H_kv] float32 buffer; config: Triton tiles; backend: as usual.
 
     Returns:
         [total_kv, H_kv] float32, row t aligned with kv_indices[t]: the sum over window queries
-        that can see the key and over the G query heads of its KV head of softmax probabilities.
+        that can see the key and over the G query heads of its KV head of softmax probabilities
+        (plus the reach queries' weighted share).
     """
     impl = window_scores_triton if use_triton(backend, q, k_buf, lse, kv_indices) else window_scores_torch
     return impl(
@@ -277,6 +310,8 @@ def window_scores(
         kv_indices,
         window,
         sm_scale,
+        reach=reach,
+        reach_weight=reach_weight,
         max_kv_len=max_kv_len,
         out=out,
         config=config,

@@ -44,11 +44,22 @@ class PrefillScoringInputs:
     window: int  # observation window alpha
     sink: int  # the first keys every selection keeps (attention sinks)
 
-    def attention_from_last(self, queries: int) -> torch.Tensor:
+    def attention_from_last(self, queries: int, reach: int = 0, reach_weight: float = 0.0) -> torch.Tensor:
         """[total_kv, H_kv] float32: each key's attention from its request's last `queries` new
-        queries (all of them when fewer), summed over them and over its KV head's query heads."""
+        queries (all of them when fewer), summed over them and over its KV head's query heads;
+        plus `reach_weight` times that of the (up to) `reach` new queries before them, on the
+        keys before all of these queries (`window_scores`, one pass)."""
         return window_scores(
-            self.q, self.k_buf, self.lse, self.qo_indptr, self.kv_indptr, self.kv_indices, queries, self.sm_scale
+            self.q,
+            self.k_buf,
+            self.lse,
+            self.qo_indptr,
+            self.kv_indptr,
+            self.kv_indices,
+            queries,
+            self.sm_scale,
+            reach=reach,
+            reach_weight=reach_weight,
         )
 
 

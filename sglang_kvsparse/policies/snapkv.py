@@ -8,7 +8,6 @@ from typing import Literal
 import torch
 
 from sglang_kvsparse.kernels import pool_scores
-from sglang_kvsparse.kernels.common import keys_after_in_segment
 from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
 
 #: Pooling applied to per-key scores before top-k selection.
@@ -63,13 +62,9 @@ class SnapKVPolicy(ScoringPolicy):
         return self.reach if self.reach_weight else 0
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
-        raw = inputs.attention_from_last(inputs.window)
-        if self.queries_before_window():
-            observed = inputs.window + self.reach
-            before_window = inputs.attention_from_last(observed) - raw
-            # The reach queries read their own words most (local attention); only what they read
-            # before them says where the question points (at tight budgets their own words
-            # otherwise take the entries: budget 64, 4 RULER answers of 14 against 2).
-            own = keys_after_in_segment(inputs.kv_indptr, raw.shape[0]) < observed
-            raw = raw + self.reach_weight * torch.where(own[:, None], 0.0, before_window)
+        # The reach queries read their own words most (local attention); only what they read
+        # before them says where the question points (at tight budgets their own words otherwise
+        # take the entries: budget 64, 4 RULER answers of 14 against 2), so `window_scores`
+        # counts their attention on the keys before them only.
+        raw = inputs.attention_from_last(inputs.window, self.queries_before_window(), self.reach_weight)
         return pool_scores(raw, inputs.kv_indptr, self.pool_kernel, self.pool_kind)

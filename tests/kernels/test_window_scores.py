@@ -37,8 +37,8 @@ def window_inputs(batch, window):
     return q, lse.masked_fill(outside[:, None], float("nan"))
 
 
-def run_both(batch, window, config=None):
-    q, lse = window_inputs(batch, window)
+def run_both(batch, window, config=None, reach=0, reach_weight=0.0):
+    q, lse = window_inputs(batch, window + reach)
     results = []
     for backend in ("triton", "torch"):
         out = torch.full((batch.kv_indices.numel(), batch.k_buf.shape[1]), float("nan"), device=q.device)
@@ -52,6 +52,8 @@ def run_both(batch, window, config=None):
                 batch.kv_indices,
                 window,
                 batch.sm_scale,
+                reach=reach,
+                reach_weight=reach_weight,
                 out=out,
                 config=config,
                 backend=backend,
@@ -77,6 +79,16 @@ def test_window_scores_small_tiles(window, device):
     batch = make_ragged_batch(Q_LENS, KV_LENS, 2, 3, 64, torch.float32, device, seed=11)
     batch = dataclasses.replace(batch, kv_indices=batch.kv_indices.int())  # int32 indices work too
     scores, ref = run_both(batch, window, WindowScoreConfig(block_n=32, block_rows=16))
+    assert rel_error(scores, ref) <= REL[torch.float32]
+
+
+@pytest.mark.parametrize("reach", [1, 30])
+@pytest.mark.parametrize("group", [1, 4])
+def test_window_scores_with_reach_match_reference(group, reach, device):
+    """Reach queries before the window (fewer than `reach` where a request has fewer new queries),
+    over several query blocks; rows before the window + reach are NaN, so they are never read."""
+    batch = make_ragged_batch(Q_LENS, KV_LENS, 2, group, 64, torch.float32, device, seed=reach + group)
+    scores, ref = run_both(batch, 20, WindowScoreConfig(block_n=32, block_rows=16), reach, 0.25)
     assert rel_error(scores, ref) <= REL[torch.float32]
 
 
@@ -106,10 +118,14 @@ def test_window_then_pool_then_select(device):
                 assert set(range(4)) | set(range(length - 8, length)) <= set(row)
 
 
+@pytest.mark.parametrize(
+    "window, reach, reach_weight, message",
+    [(0, 0, 0.0, "window"), (4, -1, 0.0, "reach"), (4, 2, 1.5, "reach_weight")],
+)
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_window_must_be_positive(backend):
+def test_bad_window_is_refused(backend, window, reach, reach_weight, message):
     batch = make_ragged_batch([3], [5], 1, 1, 16)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"^{message} must"):
         window_scores(
             batch.q,
             batch.k_buf,
@@ -117,7 +133,9 @@ def test_window_must_be_positive(backend):
             batch.qo_indptr,
             batch.kv_indptr,
             batch.kv_indices,
-            0,
+            window,
             batch.sm_scale,
+            reach=reach,
+            reach_weight=reach_weight,
             backend=backend,
         )
