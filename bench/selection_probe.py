@@ -17,7 +17,8 @@ its verdicts matched the server's prompt for prompt (`selection-probe-2026-12-03
 Writes ``<out-dir>/selection-probe[-<tag>]-<date>.json`` and ``.md``.
 
 Usage: .venv/bin/python bench/selection_probe.py [--budgets 128,256] [--guide-from 0.33]
-       [--follow 8] [--long-places 1] [--reach 16] [--prompts ruler-multikey-2000-1,...] [--tag TAG]
+       [--follow 8] [--long-follow 32] [--long-places 1] [--reach 16] [--seeds 0,1,2]
+       [--prompts ruler-multikey-2000-1,...] [--tag TAG]
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from sglang_kvsparse.policies import SpanPolicy
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT = PRESETS["default"]
-#: The 14 prompts of the committed RULER runs that the full cache answers (2 tasks x 2 lengths x 8).
+#: The committed RULER runs' prompts (2 tasks x 2 lengths x 8 per seed); seed 0's full cache answers 14.
 TASKS, LENGTHS, PER_LENGTH = ["multikey", "uuid"], [2000, 3000], 8
 
 
@@ -186,7 +187,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"# Selection probe — {report['date']}",
         "",
         f"- Machine: {report['machine']}; Hugging Face transformers, fp32, no server",
-        f"- Policy `span` (follow {report['settings']['follow']}, long_follow {DEFAULT.policy.long_follow} "
+        f"- Policy `span` (follow {report['settings']['follow']}, long_follow {report['settings']['long_follow']} "
         f"at {report['settings']['long_places']} place(s), pool {DEFAULT.policy.pool_kernel}, "
         f"reach {report['settings']['reach']} at {report['settings']['reach_weight']}), "
         f"window {DEFAULT.window}, sink {DEFAULT.sink}, full layers {list(DEFAULT.full_layers)}; guided: "
@@ -214,8 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", default="128,256")
     parser.add_argument("--guide-from", type=float, default=DEFAULT.guide_from)
     parser.add_argument("--follow", type=int, default=DEFAULT.policy.follow)
+    parser.add_argument("--long-follow", type=int, default=DEFAULT.policy.long_follow)
     parser.add_argument("--long-places", type=int, default=DEFAULT.policy.long_places)
     parser.add_argument("--reach", type=int, default=DEFAULT.policy.reach)
+    parser.add_argument("--seeds", default="0", help="comma-separated RULER seeds (the suite's --ruler-seeds)")
     parser.add_argument("--prompts", default="", help="comma-separated prompt ids (default: every prompt)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--tag", default="")
@@ -229,9 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     guided = config.resolve(model.config.num_hidden_layers, model.config.max_position_embeddings).guide_layers
     guides = {"per-layer": (), "guided": guided}
     wanted = {p for p in args.prompts.split(",") if p}
-    prompts = ruler.ruler_prompts(
-        essay_text(ruler.min_essay_chars(LENGTHS)), tasks=TASKS, lengths=LENGTHS, per_length=PER_LENGTH
-    )
+    seeds = [int(seed) for seed in args.seeds.split(",") if seed]
+    prompts = ruler.ruler_suite(essay_text(ruler.min_essay_chars(LENGTHS)), seeds, TASKS, LENGTHS, PER_LENGTH)
     prompts = [p for p in prompts if not wanted or p.prompt_id in wanted]
     if not prompts:
         print(f"error: no prompt among {sorted(wanted)}", file=sys.stderr)
@@ -244,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "settings": {
             "budgets": budgets,
+            "seeds": seeds,
             "follow": args.follow,
+            "long_follow": args.long_follow,
             "long_places": args.long_places,
             "reach": args.reach,
             "reach_weight": DEFAULT.policy.reach_weight,
@@ -252,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         },
         "prompts": {},
     }
-    policy = dataclasses.replace(DEFAULT.policy, follow=args.follow, long_places=args.long_places, reach=args.reach)
+    policy = dataclasses.replace(
+        DEFAULT.policy, follow=args.follow, long_follow=args.long_follow, long_places=args.long_places, reach=args.reach
+    )
     probe = AttentionProbe(DEFAULT.window, args.reach, DEFAULT.policy.reach_weight)
     with probe.installed():
         for prompt in prompts:
