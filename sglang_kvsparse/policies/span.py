@@ -25,14 +25,15 @@ class SpanPolicy(SnapKVPolicy):
 
     Defaults (docs/config.md): `follow` 8 covers a 7-digit answer after the word the question
     lands on and, at tight budgets, leaves room for more candidates than 16 did (guided, budget
-    64: 5 of 14 RULER answers against 2); one place with `long_follow` 32 covers most of a UUID
-    (29-37 tokens in SmolLM2's tokenizer, digits one by one, after " is": 40 kept 4 more of 12
-    at budget 256, docs/config.md) where `follow` 32 everywhere crowded the multi-key answers out;
-    `reach` 16 lets a question longer than the window look for its answer (needles).
+    64: 5 of 14 RULER answers against 2); one place with `long_follow` 40 covers a UUID (29-37
+    tokens in SmolLM2's tokenizer, digits one by one, after " is"; 32 cut the last few: 40 keeps
+    35 of 39 RULER answers at budget 256 against 31, docs/config.md) where `follow` 32 everywhere
+    crowded the multi-key answers out; `reach` 16 lets a question longer than the window look for
+    its answer (needles).
     """
 
     follow: int = 8
-    long_follow: int = 32
+    long_follow: int = 40
     long_places: int = 1
     pool_kernel: int = 7
     reach: int = 16

@@ -220,7 +220,7 @@ def test_known_policies_and_describe():
     assert parse_config('{"policy": "streamingllm"}').policy == StreamingLLMPolicy()
     assert "snapkv (pool_kind max, pool_kernel 15, reach 0, reach_weight 0.25)" in PRESETS["snapkv"].describe()
     assert (
-        "span (pool_kind max, pool_kernel 7, reach 16, reach_weight 0.25, follow 8, long_follow 32, long_places 1)"
+        "span (pool_kind max, pool_kernel 7, reach 16, reach_weight 0.25, follow 8, long_follow 40, long_places 1)"
         in PRESETS["default"].describe()
     )
     assert "pyramid" in PRESETS["pyramidkv"].describe()
