@@ -51,6 +51,14 @@ def test_pool_matches_naive(kernel_size, kind):
         assert torch.allclose(pooled, expected, rtol=1e-6)
 
 
+def test_max_pool_wider_than_the_whole_batch():
+    """Steps of the running max longer than the batch itself (a 9-key batch, radius 30)."""
+    lens = [2, 7]
+    scores = torch.rand(sum(lens), 3, generator=torch.Generator().manual_seed(5))
+    pooled = pool_scores(scores, indptr_from_lens(lens, "cpu"), 61, "max")
+    assert torch.equal(pooled, naive_pool(scores, lens, 61, "max"))
+
+
 def test_pool_does_not_bleed_across_requests():
     scores = torch.zeros(sum(LENS), 1)
     scores[7] = 100.0  # last key of request 1
