@@ -17,7 +17,7 @@ its verdicts matched the server's prompt for prompt (`selection-probe-2026-12-03
 Writes ``<out-dir>/selection-probe[-<tag>]-<date>.json`` and ``.md``.
 
 Usage: .venv/bin/python bench/selection_probe.py [--budgets 128,256] [--guide-from 0.33]
-       [--follow 8] [--long-follow 32] [--long-places 1] [--reach 16] [--seeds 0,1,2]
+       [--follow 8] [--long-follow 40] [--long-places 1] [--reach 16] [--seeds 0,1,2]
        [--prompts ruler-multikey-2000-1,...] [--tag TAG]
 """
 
