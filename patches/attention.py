@@ -14,6 +14,7 @@ appended) gets a prefill plan and a decode plan, split where the decoding rows b
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +74,9 @@ class KVSparseBackend(AttentionBackend):
         self.inner.init_forward_metadata(forward_batch)
         mode = forward_batch.forward_mode
         self._guide = None
+        marks = self.state.sentence_marks
+        if marks is not None and not mode.is_idle():
+            marks.record(forward_batch.out_cache_loc, forward_batch.input_ids)
         cpu_rows = forward_batch.req_pool_indices_cpu
         rows = (forward_batch.req_pool_indices if cpu_rows is None else cpu_rows).tolist()
         device = self.state.lanes[0].k.device
@@ -117,7 +121,16 @@ class KVSparseBackend(AttentionBackend):
         table = self.req_to_token_pool.req_to_token
         prefix_ids = [table[row, :n] for row, n in zip(rows, prefix_lens)]
         new_ids = forward_batch.out_cache_loc[: sum(extend_lens)]
-        return plan_extend(self.state, rows, prefix_lens, extend_lens, prefix_ids, new_ids, device)
+        plan = plan_extend(self.state, rows, prefix_lens, extend_lens, prefix_ids, new_ids, device)
+        marks = self.state.sentence_marks
+        if marks is None:
+            return plan
+        ends = marks.ends_at(prefix_ids, new_ids, extend_lens)
+        # For stats, one sync per prefill: the requests that keep entries (a chunk before its
+        # prompt's last only stores them; the last one reads the whole prompt).
+        keeping = ends if plan.kept_positions is None else ends[plan.kept_positions]
+        self.state.counters.prefill_sentence_ends += int(keeping.sum())
+        return dataclasses.replace(plan, sentence_ends=ends)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         if not self.state.layout.is_sparse(layer.layer_id):

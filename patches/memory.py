@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-from sglang.srt.runtime_context import get_server_args
+from sglang.srt.runtime_context import get_model, get_server_args, get_serving
+from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
 from sglang_kvsparse.accounting import footprint_table, format_footprint_table, human_bytes, kv_bytes_per_token
 from sglang_kvsparse.backends import BACKEND_OPTIONS, WRAPPED_BACKENDS
@@ -31,6 +32,7 @@ from sglang_kvsparse.config import SparsityConfig
 from sglang_kvsparse.layout import HeapLayout, heap_rows, scores_per_row
 from sglang_kvsparse.model_support import unsupported_features
 from sglang_kvsparse.parallelism import parallelism_problems
+from sglang_kvsparse.sentences import SentenceMarks, sentence_end_tokens
 from sglang_kvsparse.sparse_state import LaneBuffers, SparseState
 
 from . import allocator, attention, context
@@ -140,6 +142,7 @@ def make_attach_state(config: SparsityConfig):
             heap_rows=rows,
             prefix_cache=needs_prefix_store(get_server_args()),
         )
+        state.sentence_marks = sentence_marks(rows + runner.page_size, lanes[0].k.device)
         allocator.attach(token_allocator, state)
         runner.req_to_token_pool.attach_aux_cache(state)
         context.install(state)
@@ -147,6 +150,28 @@ def make_attach_state(config: SparsityConfig):
         print(f"[sglang-kvsparse] {state.describe_tables()}", file=sys.stderr, flush=True)
 
     return attach_state
+
+
+def sentence_marks(slots: int, device: torch.device) -> SentenceMarks | None:
+    """The marks of sentence-ending tokens (`sglang_kvsparse.sentences`), from the tokenizer the
+    scheduler loads too (`Scheduler.init_tokenizer`'s arguments); None, said in the log, when
+    SGLang skips the tokenizer (policies then score without sentences)."""
+    serving, model = get_serving(), get_model()
+    if serving.skip_tokenizer_init:
+        print(
+            "[sglang-kvsparse] no tokenizer (--skip-tokenizer-init): policies score without sentences", file=sys.stderr
+        )
+        return None
+    tokenizer = get_tokenizer(
+        serving.tokenizer_path,
+        tokenizer_mode=serving.tokenizer_mode,
+        trust_remote_code=model.trust_remote_code,
+        revision=model.revision,
+        tokenizer_backend=serving.tokenizer_backend,
+    )
+    ends = sentence_end_tokens(tokenizer.batch_decode, len(tokenizer))
+    print(f"[sglang-kvsparse] sentences: {int(ends.sum())} of {len(tokenizer)} token ids end one", file=sys.stderr)
+    return SentenceMarks(ends, slots, device)
 
 
 def lane_buffers(pool: Any, full_layers: tuple[int, ...], buffer_rows: int) -> list[LaneBuffers]:

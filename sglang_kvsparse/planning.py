@@ -111,7 +111,9 @@ class ForwardPlan:
     only stored), and `kept_positions` are then the sequence positions of the requests that do.
     `store_positions`: which of the batch's new tokens the columns' `store_slots` store.
     `policy_groups`: when some request has a policy of its own, every policy of the batch with its
-    requests (empty: the server's policy serves them all).
+    requests (empty: the server's policy serves them all). `sentence_ends` [total_kv] bool: the
+    sequence's keys whose token ends a sentence (a prefill on a server that knows its tokens;
+    `sglang_kvsparse.sentences`), else None.
     """
 
     qo_indptr: torch.Tensor
@@ -126,6 +128,7 @@ class ForwardPlan:
     store_positions: torch.Tensor | None = None
     decode_tables: tuple[DecodeTables, ...] = ()  # [group], decode plans only
     policy_groups: tuple[PolicyGroup, ...] = ()
+    sentence_ends: torch.Tensor | None = None
 
     def column(self, slot: SparseSlot) -> ColumnPlan:
         return self.columns[slot.group][slot.column]

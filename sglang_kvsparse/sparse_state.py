@@ -49,6 +49,7 @@ from sglang_kvsparse.policies import ScoringPolicy
 from sglang_kvsparse.prefix_store import PrefixStore
 from sglang_kvsparse.request_sparsity import SERVER_SETTING, RequestSparsity
 from sglang_kvsparse.row_table import HeapError, HeapExhausted, RowTable
+from sglang_kvsparse.sentences import SentenceMarks
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,9 @@ class Counters:
     chunks_stored: int = 0  # prefill chunks before a prompt's last, kept whole in the store
     store_entries_adopted: int = 0  # store entries moved to the tree's id for the same token
     requests_running_peak: int = 0
+    #: Sentence-ending tokens among the keys of the prefills that keep entries (a prompt's last
+    #: chunk: its whole sequence, cached prefix included; `sentences.py`).
+    prefill_sentence_ends: int = 0
     #: Requests given rows, by their setting's label (`RequestSparsity.label`); a retracted
     #: request counts again when it is readmitted.
     requests_by_setting: dict[str, int] = field(default_factory=dict)
@@ -182,6 +186,7 @@ class SparseState:
         self._forgets: list[torch.Tensor] | None = None  # SGLang frees held back (`adopting`)
         self.counters = Counters()
         self._deferred: list[torch.Tensor] = []  # evicted rows to give back after the forward
+        self.sentence_marks: SentenceMarks | None = None  # the server's, when it has a tokenizer
 
     # -- AuxCache (called by SGLang's ReqToTokenPool) --------------------------------------
     def alloc_to_lengths(self, *, req_pool_indices_cpu: torch.Tensor, target_seq_lens_cpu: torch.Tensor) -> None:

@@ -80,6 +80,9 @@ class SparseStats:
     requests_running_peak: int
     forward_plans: int
     evictions: int
+    #: Sentence-ending tokens among the keys of the prefills that keep entries, cached prefixes
+    #: included (0 without a tokenizer, `--skip-tokenizer-init`: its start-up log says so).
+    prefill_sentence_ends: int
     #: Requests given rows by their own setting ("server", "budget N", "off": `RequestSparsity`).
     requests_by_setting: dict[str, int]
     enabled: bool = True
@@ -144,6 +147,7 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
         requests_running_peak=state.counters.requests_running_peak,
         forward_plans=state.counters.forward_plans,
         evictions=state.counters.evictions,
+        prefill_sentence_ends=state.counters.prefill_sentence_ends,
         requests_by_setting=dict(state.counters.requests_by_setting),
     )
 
@@ -160,6 +164,7 @@ _REQUEST_COUNTS = (
     "requests_running_peak",
     "forward_plans",
     "evictions",
+    "prefill_sentence_ends",
 )
 _HEAP_COUNTS = ("rows_total", "free", "full_running", "full_cached", "sparse", "prefix_store", "evicting")
 

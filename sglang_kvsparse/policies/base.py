@@ -31,7 +31,9 @@ class PrefillScoringInputs:
 
     The new tokens' K/V are already in ``k_buf``; ``lse`` holds each new query row's softmax
     log-sum-exp from `extend_attention_with_stats`, so attention probabilities can be recomputed
-    for a few queries without a second full softmax.
+    for a few queries without a second full softmax. ``sentence_ends`` marks the keys whose
+    token ends a sentence (`sglang_kvsparse.sentences`); None where the server has no token ids
+    (no tokenizer), and policies then score without sentences.
     """
 
     q: torch.Tensor  # [num_q_tokens, H_q, D]
@@ -43,6 +45,7 @@ class PrefillScoringInputs:
     sm_scale: float
     window: int  # observation window alpha
     sink: int  # the first keys every selection keeps (attention sinks)
+    sentence_ends: torch.Tensor | None = None  # [total_kv] bool, aligned with kv_indices
 
     def attention_from_last(self, queries: int, reach: int = 0, reach_weight: float = 0.0) -> torch.Tensor:
         """[total_kv, H_kv] float32: each key's attention from its request's last `queries` new

@@ -20,6 +20,12 @@ def require_count(knob: str, value: object) -> None:
         raise ValueError(f"{knob}: expected an integer >= 0, got {value!r}")
 
 
+def require_share(knob: str, value: object) -> None:
+    """ValueError("<knob>: ...") unless `value` is a number in [0, 1] (not a bool)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
+        raise ValueError(f"{knob}: expected a number in [0, 1], got {value!r}")
+
+
 @dataclass(frozen=True)
 class SnapKVPolicy(ScoringPolicy):
     """Sum of the last ``window`` queries' attention probabilities, plus ``reach_weight`` times that
@@ -54,9 +60,7 @@ class SnapKVPolicy(ScoringPolicy):
         if kernel % 2 == 0:
             raise ValueError(f"pool_kernel: must be odd, got {kernel}")
         require_count("reach", self.reach)
-        weight = self.reach_weight
-        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 <= weight <= 1:
-            raise ValueError(f"reach_weight: expected a number in [0, 1], got {weight!r}")
+        require_share("reach_weight", self.reach_weight)
 
     def queries_before_window(self) -> int:
         return self.reach if self.reach_weight else 0

@@ -8,7 +8,8 @@ import torch
 
 from sglang_kvsparse.kernels import best_places, spread_scores
 from sglang_kvsparse.policies.base import PrefillScoringInputs
-from sglang_kvsparse.policies.snapkv import SnapKVPolicy, require_count
+from sglang_kvsparse.policies.snapkv import SnapKVPolicy, require_count, require_share
+from sglang_kvsparse.sentences import raise_to_sentence_best, sentence_numbers
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,10 @@ class SpanPolicy(SnapKVPolicy):
     `long_follow` keys before the observed queries, whose own text draws local attention) bring
     `long_follow` keys along instead. Decode adds attention as SnapKV does; an eviction ranks a
     row's entries spread by `follow` (over the row's entries, which are in position order; a long
-    place's followers already carry its score from the prefill).
+    place's followers already carry its score from the prefill). Last, where the server knows the
+    prompt's tokens, each key is raised to `sentence` times the best score of its sentence
+    (`sglang_kvsparse.sentences`; sentences longer than `sentence_keys` keys are cut), so that a
+    fact is kept with the words that say what it is.
 
     Defaults (docs/config.md): `follow` 8 covers a 7-digit answer after the word the question
     lands on and, at tight budgets, leaves room for more candidates than 16 did (guided, budget
@@ -29,7 +33,7 @@ class SpanPolicy(SnapKVPolicy):
     tokens in SmolLM2's tokenizer, digits one by one, after " is"; 32 cut the last few: 40 keeps
     35 of 39 RULER answers at budget 256 against 31, docs/config.md) where `follow` 32 everywhere
     crowded the multi-key answers out; `reach` 16 lets a question longer than the window look for
-    its answer (needles).
+    its answer (needles). `sentence` 0.5: DRAFT.
     """
 
     follow: int = 8
@@ -37,6 +41,8 @@ class SpanPolicy(SnapKVPolicy):
     long_places: int = 1
     pool_kernel: int = 7
     reach: int = 16
+    sentence: float = 0.5
+    sentence_keys: int = 64
     name = "span"
 
     def __post_init__(self) -> None:
@@ -44,9 +50,16 @@ class SpanPolicy(SnapKVPolicy):
         require_count("follow", self.follow)
         require_count("long_follow", self.long_follow)
         require_count("long_places", self.long_places)
+        require_share("sentence", self.sentence)
+        if not isinstance(self.sentence_keys, int) or isinstance(self.sentence_keys, bool) or self.sentence_keys < 1:
+            raise ValueError(f"sentence_keys: expected an integer >= 1, got {self.sentence_keys!r}")
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
-        return self.spread(super().score(inputs), inputs.kv_indptr, inputs.sink, inputs.window)
+        scores = self.spread(super().score(inputs), inputs.kv_indptr, inputs.sink, inputs.window)
+        if not self.sentence or inputs.sentence_ends is None:
+            return scores
+        sentences = sentence_numbers(inputs.sentence_ends, inputs.kv_indptr, self.sentence_keys)
+        return raise_to_sentence_best(scores, sentences, self.sentence)
 
     def spread(self, pooled: torch.Tensor, kv_indptr: torch.Tensor, sink: int, window: int) -> torch.Tensor:
         """`span`'s scores from SnapKV's pooled ones [total_kv, H_kv] (requests bounded by

@@ -16,6 +16,10 @@ identical). Eviction choices amplify float differences that stock SGLang's argma
 """
 
 import pytest
+import requests
+from transformers import AutoTokenizer
+
+from sglang_kvsparse.sentences import SENTENCE_END
 
 from .prompts import long_prompt
 from .servers import assert_every_slot_back
@@ -61,3 +65,44 @@ def test_concurrent_hits_read_pinned_prefixes_and_give_every_slot_back(evicting_
     assert stats["prefix_hits"] - hits_before == len(SUFFIXES)
     assert stats["heap"]["prefix_store"] > 1000 * 14  # the prefix in all 14 columns, for the next hit
     assert_every_slot_back(stats)
+
+
+def test_prefills_see_the_sentence_ends_of_cached_and_decoded_tokens(evicting_server, model_path):
+    """`span` keeps whole sentences by the marks the server records for each KV slot from the
+    token written there (`sglang_kvsparse.sentences`). Every prefill that keeps entries counts the
+    sentence ends among its keys, cached prefix included. In a three-turn conversation the third
+    turn's cached prefix holds the first answer under the slots it was decoded into (the tree
+    keeps those; `patches/prefix.py`), so its count is right only if decode steps marked them."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    def sentence_ends(ids: list[int]) -> int:  # by hand, from this process's own tokenizer
+        return sum(any(c in tokenizer.decode([token]) for c in SENTENCE_END) for token in ids)
+
+    def tokens(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def turn(ids: list[int], max_new_tokens: int) -> tuple[list[int], int, int]:
+        """The answer's ids, the cached prefix's length and the prefill's count of sentence ends."""
+        before = evicting_server.stats()["prefill_sentence_ends"]
+        payload = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+        response = requests.post(f"{evicting_server.url}/generate", json=payload, timeout=600)
+        response.raise_for_status()
+        result = response.json()
+        counted = evicting_server.stats()["prefill_sentence_ends"] - before
+        return result["output_ids"], result["meta_info"]["cached_tokens"], counted
+
+    evicting_server.flush_cache()
+    chat = [{"role": "user", "content": long_prompt(3000)}]
+    first = tokens(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+    answer, _, counted = turn(first, 48)
+    assert counted == sentence_ends(first) > 10
+    second = (
+        first + answer + tokens("<|im_end|>\n<|im_start|>user\nAnd in one word?<|im_end|>\n<|im_start|>assistant\n")
+    )
+    answer_2, _, counted = turn(second, 8)
+    assert counted == sentence_ends(second)
+    third = second + answer_2 + tokens("<|im_end|>\n<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n")
+    _, cached, counted = turn(third, 1)
+    assert cached >= len(first) + len(answer) - 1  # the first answer came from the cache
+    assert sentence_ends(answer[:-1]) > 0  # decoded tokens with marks to read
+    assert counted == sentence_ends(third)

@@ -52,6 +52,7 @@ def _rank(requests: int, free: int, kv_bytes: int) -> dict:
         **{name: requests for name in ("store_entries_adopted", "requests_running", "requests_running_peak")},
         "forward_plans": 10,
         "evictions": requests,
+        "prefill_sentence_ends": 4 * requests,
         "requests_by_setting": {"server": requests, f"budget {requests}": 1},
         "heap": {
             "rows_total": 1000,

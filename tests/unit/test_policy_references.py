@@ -13,6 +13,7 @@ tie-proof: a kept entry never ranks below a dropped one.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -218,3 +219,48 @@ def test_policy_keeps_what_its_float64_computation_keeps(name, prompt):
             expected = {"add": start + mass, "replace": mass, "none": start}[hand.update]
             torch.testing.assert_close(after[:, h], expected, atol=1e-5, rtol=1e-5)
     assert evictions >= 3
+
+
+def raised_to_sentences(scores: torch.Tensor, ends: list[bool], share: float, longest: int) -> torch.Tensor:
+    """`span`'s sentence raise by hand: a sentence starts at key 0, after a key that ends one and
+    after `longest` keys; each key becomes max(its score, share * its sentence's best), per head."""
+    sentences, current, run = [], -1, 0
+    for i in range(len(ends)):
+        if i == 0 or ends[i - 1] or run == longest:
+            current, run = current + 1, 0
+        sentences.append(current)
+        run += 1
+    out = scores.clone()
+    for i, sentence in enumerate(sentences):
+        members = [j for j, s in enumerate(sentences) if s == sentence]
+        out[i] = torch.maximum(scores[i], share * scores[members].amax(0))
+    return out
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_span_keeps_whole_sentences_as_its_float64_computation_says(share):
+    """A prefill whose keys carry sentence ends (the server marks them from the prompt's tokens):
+    `span` keeps by its scores raised to a share of each sentence's best."""
+    knobs = {**KNOBS["span"], "sentence": share, "sentence_keys": 5}
+    policy = POLICIES["span"](**knobs)
+    prompt = 30
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(prompt, H_KV * G, D, generator=gen)
+    keys = torch.randn(prompt, H_KV, D, generator=gen)
+    values = torch.randn(prompt, H_KV, D, generator=gen)
+    ends = torch.rand(prompt, generator=gen) < 0.2
+    row = Row(policy, prompt)
+    grow(row.state, [1], [prompt])
+    plan = dataclasses.replace(plan_extend(row.state, [1], [0], [prompt]), sentence_ends=ends)
+    sparse_extend(q, keys, values, SCALE, plan, plan.column(row.slot), row.lane, policy)
+    row.state.finish_forward()
+    plain = span(probabilities(q, keys), keys, knobs)
+    want = raised_to_sentences(plain, ends.tolist(), share, 5)
+    held, stored = row.held(keys)
+    changed = False
+    for h in range(H_KV):
+        assert_best_kept(want[:, h], held[h], prompt)
+        torch.testing.assert_close(stored[:, h], want[held[h], h], atol=1e-5, rtol=1e-5)
+        unraised = set(torch.topk(plain[SINK : prompt - WINDOW, h], BUDGET - SINK - WINDOW).indices.tolist())
+        changed |= unraised != {p - SINK for p in held[h] if SINK <= p < prompt - WINDOW}
+    assert changed  # the raise chose differently from the plain scores somewhere
