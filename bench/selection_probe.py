@@ -17,7 +17,7 @@ its verdicts matched the server's prompt for prompt (`selection-probe-2026-12-03
 Writes ``<out-dir>/selection-probe[-<tag>]-<date>.json`` and ``.md``.
 
 Usage: .venv/bin/python bench/selection_probe.py [--budgets 128,256] [--guide-from 0.33]
-       [--follow 8] [--long-follow 40] [--long-places 1] [--reach 16] [--seeds 0,1,2]
+       [--follow 8] [--long-follow 40] [--long-places 1] [--reach 16] [--sentence 0.5] [--seeds 0,1,2]
        [--prompts ruler-multikey-2000-1,...] [--tag TAG]
 """
 
@@ -46,6 +46,7 @@ from sglang_kvsparse.guide import PrefillGuide
 from sglang_kvsparse.kernels import pool_scores, select_kept
 from sglang_kvsparse.models import ensure_default_model
 from sglang_kvsparse.policies import SpanPolicy
+from sglang_kvsparse.sentences import sentence_end_tokens
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT = PRESETS["default"]
@@ -100,11 +101,12 @@ class AttentionProbe:
         return out[None, None], None
 
 
-def layer_scores(mass: torch.Tensor, policy: SpanPolicy) -> torch.Tensor:
-    """`span`'s scores [L, H_kv] from a layer's window mass: pooled, then spread forward."""
+def layer_scores(mass: torch.Tensor, policy: SpanPolicy, sentence_ends: torch.Tensor) -> torch.Tensor:
+    """`span`'s scores [L, H_kv] from a layer's window mass: pooled, spread forward, then raised
+    by sentence (`sentence_ends` [L] bool, as the server marks them)."""
     indptr = torch.tensor([0, mass.shape[0]], dtype=torch.int32)
     pooled = pool_scores(mass.float(), indptr, policy.pool_kernel, "max")
-    return policy.spread(pooled, indptr, DEFAULT.sink, DEFAULT.window)
+    return policy.by_sentence(policy.spread(pooled, indptr, DEFAULT.sink, DEFAULT.window), indptr, sentence_ends)
 
 
 def kept_sets(scores: dict[int, torch.Tensor], budget: int, guide_layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
@@ -142,7 +144,7 @@ def answer_positions(tokenizer: Any, text: str, value: str) -> list[int]:
 
 
 def probe_prompt(
-    model, tokenizer, prompt, probe: AttentionProbe, budgets, guides, policy: SpanPolicy
+    model, tokenizer, prompt, probe: AttentionProbe, budgets, guides, policy: SpanPolicy, ends_sentence: torch.Tensor
 ) -> dict[str, Any]:
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt.user_message}], add_generation_prompt=True, tokenize=False
@@ -153,7 +155,8 @@ def probe_prompt(
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
     sparse = [layer for layer in sorted(probe.mass) if layer not in DEFAULT.full_layers]
-    scores = {layer: layer_scores(probe.mass[layer], policy) for layer in sparse}
+    sentence_ends = ends_sentence[torch.tensor(ids)]
+    scores = {layer: layer_scores(probe.mass[layer], policy, sentence_ends) for layer in sparse}
     stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
     result: dict[str, Any] = {"prompt_tokens": len(ids), "answer_tokens": len(answer), "runs": {}}
     for budget in budgets:
@@ -189,7 +192,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"- Machine: {report['machine']}; Hugging Face transformers, fp32, no server",
         f"- Policy `span` (follow {report['settings']['follow']}, long_follow {report['settings']['long_follow']} "
         f"at {report['settings']['long_places']} place(s), pool {DEFAULT.policy.pool_kernel}, "
-        f"reach {report['settings']['reach']} at {report['settings']['reach_weight']}), "
+        f"reach {report['settings']['reach']} at {report['settings']['reach_weight']}, "
+        f"sentence {report['settings'].get('sentence', 0)}), "
         f"window {DEFAULT.window}, sink {DEFAULT.sink}, full layers {list(DEFAULT.full_layers)}; guided: "
         f"layers {report['settings']['guide_layers']}",
         "- Kept: per sparse layer, the answer tokens kept in each KV head (digits, one per head), "
@@ -218,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-follow", type=int, default=DEFAULT.policy.long_follow)
     parser.add_argument("--long-places", type=int, default=DEFAULT.policy.long_places)
     parser.add_argument("--reach", type=int, default=DEFAULT.policy.reach)
+    parser.add_argument("--sentence", type=float, default=DEFAULT.policy.sentence)
     parser.add_argument("--seeds", default="0", help="comma-separated RULER seeds (the suite's --ruler-seeds)")
     parser.add_argument("--prompts", default="", help="comma-separated prompt ids (default: every prompt)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
@@ -252,17 +257,26 @@ def main(argv: list[str] | None = None) -> int:
             "long_places": args.long_places,
             "reach": args.reach,
             "reach_weight": DEFAULT.policy.reach_weight,
+            "sentence": args.sentence,
             "guide_layers": list(guided),
         },
         "prompts": {},
     }
     policy = dataclasses.replace(
-        DEFAULT.policy, follow=args.follow, long_follow=args.long_follow, long_places=args.long_places, reach=args.reach
+        DEFAULT.policy,
+        follow=args.follow,
+        long_follow=args.long_follow,
+        long_places=args.long_places,
+        reach=args.reach,
+        sentence=args.sentence,
     )
+    ends_sentence = sentence_end_tokens(tokenizer.batch_decode, len(tokenizer))
     probe = AttentionProbe(DEFAULT.window, args.reach, DEFAULT.policy.reach_weight)
     with probe.installed():
         for prompt in prompts:
-            report["prompts"][prompt.prompt_id] = probe_prompt(model, tokenizer, prompt, probe, budgets, guides, policy)
+            report["prompts"][prompt.prompt_id] = probe_prompt(
+                model, tokenizer, prompt, probe, budgets, guides, policy, ends_sentence
+            )
             write_json(paths, report)
             paths.markdown.write_text(markdown(report))
     print(f"[probe] wrote {paths.json}, {paths.markdown}")

@@ -126,10 +126,9 @@ class KVSparseBackend(AttentionBackend):
         if marks is None:
             return plan
         ends = marks.ends_at(prefix_ids, new_ids, extend_lens)
-        # For stats, one sync per prefill: the requests that keep entries (a chunk before its
-        # prompt's last only stores them; the last one reads the whole prompt).
-        keeping = ends if plan.kept_positions is None else ends[plan.kept_positions]
-        self.state.counters.prefill_sentence_ends += int(keeping.sum())
+        # Counted for the requests that keep entries (a chunk before its prompt's last only
+        # stores them; the last one reads the whole prompt).
+        marks.count(ends if plan.kept_positions is None else ends[plan.kept_positions])
         return dataclasses.replace(plan, sentence_ends=ends)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):

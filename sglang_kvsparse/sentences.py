@@ -37,6 +37,7 @@ class SentenceMarks:
             raise ValueError("ends_sentence must be a non-empty 1-D bool tensor, one flag per token id")
         self.ends_sentence = ends_sentence.to(device)
         self.at_slot = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.counted = torch.zeros((), dtype=torch.int64, device=device)  # for stats: `count`
 
     def record(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         """A forward writes `token_ids` [T] to `slots` [T]: mark those that end a sentence. Ids
@@ -57,6 +58,10 @@ class SentenceMarks:
             parts += [prefix.to(device, torch.int64), new.to(device, torch.int64)]
         slots = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
         return self.at_slot[slots]
+
+    def count(self, ends: torch.Tensor) -> None:
+        """Add the sentence ends among `ends` to `counted`, on the device (no host sync)."""
+        self.counted += ends.sum()
 
 
 def sentence_numbers(ends: torch.Tensor, kv_indptr: torch.Tensor, longest: int) -> torch.Tensor:

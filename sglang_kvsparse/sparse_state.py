@@ -122,9 +122,6 @@ class Counters:
     chunks_stored: int = 0  # prefill chunks before a prompt's last, kept whole in the store
     store_entries_adopted: int = 0  # store entries moved to the tree's id for the same token
     requests_running_peak: int = 0
-    #: Sentence-ending tokens among the keys of the prefills that keep entries (a prompt's last
-    #: chunk: its whole sequence, cached prefix included; `sentences.py`).
-    prefill_sentence_ends: int = 0
     #: Requests given rows, by their setting's label (`RequestSparsity.label`); a retracted
     #: request counts again when it is readmitted.
     requests_by_setting: dict[str, int] = field(default_factory=dict)

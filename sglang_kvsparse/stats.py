@@ -147,7 +147,7 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
         requests_running_peak=state.counters.requests_running_peak,
         forward_plans=state.counters.forward_plans,
         evictions=state.counters.evictions,
-        prefill_sentence_ends=state.counters.prefill_sentence_ends,
+        prefill_sentence_ends=0 if state.sentence_marks is None else int(state.sentence_marks.counted),
         requests_by_setting=dict(state.counters.requests_by_setting),
     )
 

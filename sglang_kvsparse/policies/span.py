@@ -55,10 +55,17 @@ class SpanPolicy(SnapKVPolicy):
             raise ValueError(f"sentence_keys: expected an integer >= 1, got {self.sentence_keys!r}")
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
-        scores = self.spread(super().score(inputs), inputs.kv_indptr, inputs.sink, inputs.window)
-        if not self.sentence or inputs.sentence_ends is None:
+        spread = self.spread(super().score(inputs), inputs.kv_indptr, inputs.sink, inputs.window)
+        return self.by_sentence(spread, inputs.kv_indptr, inputs.sentence_ends)
+
+    def by_sentence(
+        self, scores: torch.Tensor, kv_indptr: torch.Tensor, sentence_ends: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`scores` [total_kv, H_kv], each key raised to `sentence` times its sentence's best;
+        unchanged when `sentence` is 0 or the keys' sentence ends are unknown (None)."""
+        if not self.sentence or sentence_ends is None:
             return scores
-        sentences = sentence_numbers(inputs.sentence_ends, inputs.kv_indptr, self.sentence_keys)
+        sentences = sentence_numbers(sentence_ends, kv_indptr, self.sentence_keys)
         return raise_to_sentence_best(scores, sentences, self.sentence)
 
     def spread(self, pooled: torch.Tensor, kv_indptr: torch.Tensor, sink: int, window: int) -> torch.Tensor:

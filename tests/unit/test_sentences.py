@@ -80,6 +80,9 @@ def test_marks_follow_the_slots_a_forward_wrote():
     assert got.tolist() == [False, True, False, True, True, False, False]
     marks.record(torch.tensor([4]), torch.tensor([2]))  # a slot freed and written again
     assert not bool(marks.at_slot[4])
+    marks.count(got)
+    marks.count(got[:4])
+    assert int(marks.counted) == 3 + 2
 
 
 def test_marks_refuse_a_bad_table():
