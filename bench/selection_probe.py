@@ -101,12 +101,13 @@ class AttentionProbe:
         return out[None, None], None
 
 
-def layer_scores(mass: torch.Tensor, policy: SpanPolicy, sentence_ends: torch.Tensor) -> torch.Tensor:
+def layer_scores(mass: torch.Tensor, policy: SpanPolicy, sentence_ends: torch.Tensor, budget: int) -> torch.Tensor:
     """`span`'s scores [L, H_kv] from a layer's window mass: pooled, spread forward, then raised
-    by sentence (`sentence_ends` [L] bool, as the server marks them)."""
+    by sentence (`sentence_ends` [L] bool, as the server marks them) at a budget that has room."""
     indptr = torch.tensor([0, mass.shape[0]], dtype=torch.int32)
     pooled = pool_scores(mass.float(), indptr, policy.pool_kernel, "max")
-    return policy.by_sentence(policy.spread(pooled, indptr, DEFAULT.sink, DEFAULT.window), indptr, sentence_ends)
+    spread = policy.spread(pooled, indptr, DEFAULT.sink, DEFAULT.window)
+    return policy.by_sentence(spread, indptr, sentence_ends, torch.tensor([budget]))
 
 
 def kept_sets(scores: dict[int, torch.Tensor], budget: int, guide_layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
@@ -156,10 +157,10 @@ def probe_prompt(
         out = model(torch.tensor([ids]), use_cache=True)
     sparse = [layer for layer in sorted(probe.mass) if layer not in DEFAULT.full_layers]
     sentence_ends = ends_sentence[torch.tensor(ids)]
-    scores = {layer: layer_scores(probe.mass[layer], policy, sentence_ends) for layer in sparse}
     stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
     result: dict[str, Any] = {"prompt_tokens": len(ids), "answer_tokens": len(answer), "runs": {}}
     for budget in budgets:
+        scores = {layer: layer_scores(probe.mass[layer], policy, sentence_ends, budget) for layer in sparse}
         for label, guide_layers in guides.items():
             probe.kept = kept_sets(scores, budget, guide_layers)
             probe.recording = False
@@ -193,7 +194,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- Policy `span` (follow {report['settings']['follow']}, long_follow {report['settings']['long_follow']} "
         f"at {report['settings']['long_places']} place(s), pool {DEFAULT.policy.pool_kernel}, "
         f"reach {report['settings']['reach']} at {report['settings']['reach_weight']}, "
-        f"sentence {report['settings'].get('sentence', 0)}), "
+        f"sentence {report['settings']['sentence']} from budget {report['settings']['sentence_from']}), "
         f"window {DEFAULT.window}, sink {DEFAULT.sink}, full layers {list(DEFAULT.full_layers)}; guided: "
         f"layers {report['settings']['guide_layers']}",
         "- Kept: per sparse layer, the answer tokens kept in each KV head (digits, one per head), "
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             "reach": args.reach,
             "reach_weight": DEFAULT.policy.reach_weight,
             "sentence": args.sentence,
+            "sentence_from": DEFAULT.policy.sentence_from,
             "guide_layers": list(guided),
         },
         "prompts": {},

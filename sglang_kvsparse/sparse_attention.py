@@ -63,7 +63,17 @@ def sparse_extend(
     scores = None
     if scoring:
         inputs = PrefillScoringInputs(
-            q, k_all, lse, plan.qo_indptr, kv_indptr, positions, sm_scale, plan.window, plan.sink, plan.sentence_ends
+            q,
+            k_all,
+            lse,
+            plan.qo_indptr,
+            kv_indptr,
+            positions,
+            sm_scale,
+            plan.window,
+            plan.sink,
+            plan.sentence_ends,
+            column.budgets,
         )
         for group in policy_groups(plan, policy):
             mine = group.policy.score(inputs)  # of the whole batch: a batch mixes policies rarely

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_kvsparse.kernels import best_places, spread_scores
+from sglang_kvsparse.kernels.common import segment_ids
 from sglang_kvsparse.policies.base import PrefillScoringInputs
 from sglang_kvsparse.policies.snapkv import SnapKVPolicy, require_count, require_share
 from sglang_kvsparse.sentences import raise_to_sentence_best, sentence_numbers
@@ -23,9 +24,9 @@ class SpanPolicy(SnapKVPolicy):
     `long_follow` keys along instead. Decode adds attention as SnapKV does; an eviction ranks a
     row's entries spread by `follow` (over the row's entries, which are in position order; a long
     place's followers already carry its score from the prefill). Last, where the server knows the
-    prompt's tokens, each key is raised to `sentence` times the best score of its sentence
-    (`sglang_kvsparse.sentences`; sentences longer than `sentence_keys` keys are cut), so that a
-    fact is kept with the words that say what it is.
+    prompt's tokens and the request's budget is at least `sentence_from`, each key is raised to
+    `sentence` times the best score of its sentence (`sglang_kvsparse.sentences`; sentences longer
+    than `sentence_keys` keys are cut), so that a fact is kept with the words that say what it is.
 
     Defaults (docs/config.md): `follow` 8 covers a 7-digit answer after the word the question
     lands on and, at tight budgets, leaves room for more candidates than 16 did (guided, budget
@@ -33,7 +34,9 @@ class SpanPolicy(SnapKVPolicy):
     tokens in SmolLM2's tokenizer, digits one by one, after " is"; 32 cut the last few: 40 keeps
     35 of 39 RULER answers at budget 256 against 31, docs/config.md) where `follow` 32 everywhere
     crowded the multi-key answers out; `reach` 16 lets a question longer than the window look for
-    its answer (needles). `sentence` 0.5: DRAFT.
+    its answer (needles). `sentence` 0.5 from budget 256 (`sentence_from`): a fact kept with its
+    sentence gained a RULER answer at 256 (36 of 39 against 35); at 64 and 128 the sentences
+    crowded answers out (4 against 9, 18 against 21), so smaller budgets keep the plain scores.
     """
 
     follow: int = 8
@@ -43,6 +46,7 @@ class SpanPolicy(SnapKVPolicy):
     reach: int = 16
     sentence: float = 0.5
     sentence_keys: int = 64
+    sentence_from: int = 256
     name = "span"
 
     def __post_init__(self) -> None:
@@ -53,20 +57,33 @@ class SpanPolicy(SnapKVPolicy):
         require_share("sentence", self.sentence)
         if not isinstance(self.sentence_keys, int) or isinstance(self.sentence_keys, bool) or self.sentence_keys < 1:
             raise ValueError(f"sentence_keys: expected an integer >= 1, got {self.sentence_keys!r}")
+        require_count("sentence_from", self.sentence_from)
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
         spread = self.spread(super().score(inputs), inputs.kv_indptr, inputs.sink, inputs.window)
-        return self.by_sentence(spread, inputs.kv_indptr, inputs.sentence_ends)
+        return self.by_sentence(spread, inputs.kv_indptr, inputs.sentence_ends, inputs.budgets)
 
     def by_sentence(
-        self, scores: torch.Tensor, kv_indptr: torch.Tensor, sentence_ends: torch.Tensor | None
+        self,
+        scores: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        sentence_ends: torch.Tensor | None,
+        budgets: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`scores` [total_kv, H_kv], each key raised to `sentence` times its sentence's best;
-        unchanged when `sentence` is 0 or the keys' sentence ends are unknown (None)."""
+        """`scores` [total_kv, H_kv], each key of a request whose budget (`budgets` [B] on the
+        host; None: every request) is at least `sentence_from` raised to `sentence` times its
+        sentence's best; unchanged when `sentence` is 0 or the sentence ends are unknown (None)."""
         if not self.sentence or sentence_ends is None:
             return scores
+        wide = None if budgets is None else budgets >= self.sentence_from
+        if wide is not None and not bool(wide.any()):  # a host tensor: no device sync
+            return scores
         sentences = sentence_numbers(sentence_ends, kv_indptr, self.sentence_keys)
-        return raise_to_sentence_best(scores, sentences, self.sentence)
+        raised = raise_to_sentence_best(scores, sentences, self.sentence)
+        if wide is None or bool(wide.all()):
+            return raised
+        keys = segment_ids(kv_indptr, scores.shape[0])
+        return torch.where(wide.to(scores.device)[keys][:, None], raised, scores)
 
     def spread(self, pooled: torch.Tensor, kv_indptr: torch.Tensor, sink: int, window: int) -> torch.Tensor:
         """`span`'s scores from SnapKV's pooled ones [total_kv, H_kv] (requests bounded by

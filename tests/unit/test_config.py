@@ -196,6 +196,8 @@ def test_direct_construction_is_validated_and_normalized():
         SpanPolicy(sentence=1.5)
     with pytest.raises(ValueError, match="sentence_keys: expected an integer >= 1"):
         SpanPolicy(sentence_keys=0)
+    with pytest.raises(ValueError, match="sentence_from: expected an integer >= 0"):
+        SpanPolicy(sentence_from=-1)
     with pytest.raises(SparsityConfigError, match="policy: expected a scoring policy"):
         SparsityConfig(policy="snapkv")
     config = SparsityConfig(full_layers=[3, 0], budget=[64, 128])
@@ -225,7 +227,7 @@ def test_known_policies_and_describe():
     assert "snapkv (pool_kind max, pool_kernel 15, reach 0, reach_weight 0.25)" in PRESETS["snapkv"].describe()
     assert (
         "span (pool_kind max, pool_kernel 7, reach 16, reach_weight 0.25, follow 8, long_follow 40, long_places 1,"
-        " sentence 0.5, sentence_keys 64)" in PRESETS["default"].describe()
+        " sentence 0.5, sentence_keys 64, sentence_from 256)" in PRESETS["default"].describe()
     )
     assert "pyramid" in PRESETS["pyramidkv"].describe()
     assert "64..256" in SparsityConfig(full_layers=(0,), budget=(64, 256)).describe()
