@@ -14,10 +14,10 @@ from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
 POOL_KINDS: tuple[str, ...] = ("max", "avg")
 
 
-def require_count(knob: str, value: object) -> None:
-    """ValueError("<knob>: ...") unless `value` is an integer >= 0 (not a bool)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{knob}: expected an integer >= 0, got {value!r}")
+def require_count(knob: str, value: object, minimum: int = 0) -> None:
+    """ValueError("<knob>: ...") unless `value` is an integer >= `minimum` (not a bool)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{knob}: expected an integer >= {minimum}, got {value!r}")
 
 
 def require_share(knob: str, value: object) -> None:

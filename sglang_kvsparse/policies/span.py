@@ -55,8 +55,7 @@ class SpanPolicy(SnapKVPolicy):
         require_count("long_follow", self.long_follow)
         require_count("long_places", self.long_places)
         require_share("sentence", self.sentence)
-        if not isinstance(self.sentence_keys, int) or isinstance(self.sentence_keys, bool) or self.sentence_keys < 1:
-            raise ValueError(f"sentence_keys: expected an integer >= 1, got {self.sentence_keys!r}")
+        require_count("sentence_keys", self.sentence_keys, minimum=1)
         require_count("sentence_from", self.sentence_from)
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
