@@ -108,11 +108,14 @@ class KVSparseBackend(AttentionBackend):
 
     def _prefill_guide(self, plan: ForwardPlan) -> PrefillGuide | None:
         """A guide for this prefill when the configuration names guide layers and some sparse
-        layer selects (a prompt is longer than its budget)."""
-        guide_layers = self.state.resolved.guide_layers
-        if guide_layers and any(column.compress for group in plan.columns for column in group):
-            return PrefillGuide(guide_layers)
-        return None
+        layer selects (a prompt is longer than its budget) for a request the guide chooses for
+        (its budget there below `guide_below`)."""
+        resolved = self.state.resolved
+        if not resolved.guide_layers:
+            return None
+        guide = PrefillGuide(resolved.guide_layers, resolved.config.guide_below)
+        columns = [column for group in plan.columns for column in group if column.compress]
+        return guide if any(bool(guide.guided(column.budgets).any()) for column in columns) else None
 
     def _plan_extend(self, forward_batch: Any, rows: list[int], device: Any) -> ForwardPlan:
         """The prefill plan of the batch's first len(rows) requests."""

@@ -43,7 +43,8 @@ def sparse_extend(
     each request's budget per KV head, and the kept K/V and scores are scattered into its rows.
     `policy` is the server's; a request with its own is scored by it (`plan.policy_groups`).
     With a `guide` (`sglang_kvsparse/guide.py`), a guide layer adds its scores to it, and the
-    selection waits for the guide and keeps by its scores. Either way the prefix was read, not
+    selection of the requests it guides (`guide.guided`: budgets below its `below`) waits for the
+    guide and keeps by its scores; the others keep by the layer's own. Either way the prefix was read, not
     written: the row gets copies. The new tokens' K/V also go to their store slots, for later
     requests that share this prompt; a chunk before its prompt's last is only stored
     (`plan.keeps`). Returns [T, H_q, D].
@@ -51,9 +52,10 @@ def sparse_extend(
     k_all, v_all, kv_indptr = sequence_kv(k, v, plan, column, buffers)
     positions = torch.arange(k_all.shape[0], device=k.device, dtype=torch.int64)
     guiding = guide is not None and guide.guides(layer_id)
-    # A layer scores for its own selection, or for the guide; under a guide, a layer outside it
-    # selects by the guide's scores and needs none of its own (nor the softmax statistics).
-    scoring = guiding or (column.compress and guide is None)
+    guided = None if guide is None or not column.compress else guide.guided(column.budgets)
+    # A layer scores for its own selection, or for the guide; a layer outside the guide needs
+    # no scores of its own (nor the softmax statistics) when the guide chooses for every request.
+    scoring = guiding or (column.compress and (guided is None or not bool(guided.all())))
     o, lse = kernels.extend_attention_with_stats(
         q, k_all, v_all, plan.qo_indptr, kv_indptr, positions, sm_scale, with_stats=scoring
     )
@@ -82,14 +84,18 @@ def sparse_extend(
         guide.add(layer_id, scores)
     if not column.compress:
         _store_all(k_all, v_all, kv_indptr, requests, plan, column, buffers, policy)
-    elif guide is None:
+    elif guided is None or not bool(guided.any()):
         _keep(k_all, v_all, kv_indptr, scores, plan, column, buffers)
     else:
         k_new, v_new, heads = k.clone(), v.clone(), k.shape[1]
+        own = None if bool(guided.all()) else (scores, guided.to(k.device)[requests][:, None])
 
         def keep_by_guide(guide_scores: torch.Tensor) -> None:
             k_seq, v_seq, indptr = sequence_kv(k_new, v_new, plan, column, buffers)
-            _keep(k_seq, v_seq, indptr, guide_scores[:, None].expand(-1, heads), plan, column, buffers)
+            by = guide_scores[:, None].expand(-1, heads)
+            if own is not None:  # the sequence layout is the same in every layer of the forward
+                by = torch.where(own[1], by, own[0])
+            _keep(k_seq, v_seq, indptr, by, plan, column, buffers)
 
         guide.defer(keep_by_guide)
     return o

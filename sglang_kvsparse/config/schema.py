@@ -100,6 +100,9 @@ class SparsityConfig:
                    A fraction of the model's depth in [0, 1): every sparse layer keeps those the
                    guide layers rank best together, the sparse layers from layer
                    round(guide_from * num_layers) to the last (`sglang_kvsparse/guide.py`).
+      guide_below  with guide_from: a layer whose budget for a request is at least this keeps
+                   that request's entries by its own scores; None: the guide chooses at every
+                   budget. No effect without guide_from.
     """
 
     enabled: bool = True
@@ -111,6 +114,7 @@ class SparsityConfig:
     policy: ScoringPolicy = SnapKVPolicy()
     max_request_budget: int | None = None
     guide_from: float | None = None
+    guide_below: int | None = None
     # Where each field's value came from, for error messages: ((field, option label), ...).
     origins: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
@@ -164,6 +168,8 @@ class SparsityConfig:
         guide = self.guide_from
         if guide is not None and (isinstance(guide, bool) or not isinstance(guide, (int, float)) or not 0 <= guide < 1):
             raise self._fail("guide_from", f"expected null or a fraction of the depth in [0, 1), got {guide!r}")
+        if self.guide_below is not None:
+            self._check_int("guide_below", self.guide_below, 1)
         self._validate_budget_shape()
 
     def _validate_budget_shape(self) -> None:
@@ -282,6 +288,7 @@ class SparsityConfig:
             "policy": {"name": self.policy.name, **self.policy.options()},
             "max_request_budget": self.max_request_budget,
             "guide_from": self.guide_from,
+            "guide_below": self.guide_below,
         }
 
     def describe(self) -> str:
@@ -297,6 +304,8 @@ class SparsityConfig:
         full = ",".join(map(str, self.full_layers)) or "none"
         requests = "" if self.max_request_budget is None else f"; requests may ask up to {self.max_request_budget}"
         guide = "" if self.guide_from is None else f"; prefill guided from {self.guide_from:g} of the depth"
+        if guide and self.guide_below is not None:
+            guide += f" below budget {self.guide_below}"
         return (
             f"kvsparse {self.policy.describe()}: full layers {full}; {budget}; sink {self.sink}, "
             f"window {self.window}; evict every {self.evict_page}{guide}{requests}"

@@ -91,6 +91,7 @@ def make_state(
     policy: ScoringPolicy | None = None,
     max_request_budget: int | None = None,
     guide_from: float | None = None,
+    guide_below: int | None = None,
 ) -> tuple[SparseState, FreeList]:
     """A state of `num_layers` layers (`full_layers` full, one lane per full layer) on a heap of
     `rows` rows, its lanes on `device`. The policy: SnapKV of `pool_kernel` unless given
@@ -104,6 +105,7 @@ def make_state(
         evict_page=evict_page,
         max_request_budget=max_request_budget,
         guide_from=guide_from,
+        guide_below=guide_below,
     )
     resolved = config.resolve(num_layers, context)
     heap = FreeList(rows, page)

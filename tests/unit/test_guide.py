@@ -3,11 +3,14 @@
 Against a float64 computation by hand: the guide layers' window attention (SnapKV without
 pooling), its largest over each layer's KV heads, averaged over the guide layers; every sparse
 layer of every request in a ragged batch keeps the sink, the window and the best of the rest by
-that guide, in every KV head, with the guide's scores stored. Also the configuration's checks and
-the guide's own refusals.
+that guide, in every KV head, with the guide's scores stored; a request whose budget is at least
+`guide_below`, in the same batch, by each layer's own. Also the configuration's checks and the
+guide's own refusals.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ import torch
 from sglang_kvsparse.config import SparsityConfig, SparsityConfigError, parse_config
 from sglang_kvsparse.guide import PrefillGuide
 from sglang_kvsparse.planning import plan_extend
+from sglang_kvsparse.request_sparsity import RequestSparsity
 from sglang_kvsparse.sparse_attention import sparse_extend
 
 from .heap import H_KV, D, grow, make_state
@@ -48,14 +52,23 @@ def held(state, layer: int, row: int, keys: torch.Tensor) -> tuple[list[list[int
     return positions, lane.scores[score_slots].double()
 
 
-def test_every_sparse_layer_keeps_the_best_by_the_guide_layers_together():
+def guided_forward(budgets: list[int], guide_below: int | None):
+    """PROMPTS prefilled together under a guide (server budget BUDGET; request i asks for
+    `budgets[i]`), every sparse layer's inputs random; returns the state, rows and inputs."""
     state, _ = make_state(
-        num_layers=LAYERS, full_layers=FULL, budget=BUDGET, window=WINDOW, context=64, guide_from=GUIDE_FROM
+        num_layers=LAYERS,
+        full_layers=FULL,
+        budget=BUDGET,
+        window=WINDOW,
+        context=64,
+        guide_from=GUIDE_FROM,
+        guide_below=guide_below,
+        max_request_budget=max(budgets),
     )
-    guide_layers = state.resolved.guide_layers
-    assert guide_layers == (2, 3, 4)
+    assert state.resolved.guide_layers == (2, 3, 4)
     rows = [1, 2, 3]
-    state.expect(rows, [length + 20 for length in PROMPTS])  # they will evict: scores in their own rows
+    settings = [RequestSparsity(budget=budget) for budget in budgets]
+    state.expect(rows, [length + 20 for length in PROMPTS], list(PROMPTS), settings)  # scores in their own rows
     grow(state, rows, list(PROMPTS))
     plan = plan_extend(state, rows, [0] * len(rows), list(PROMPTS))
     gen = torch.Generator().manual_seed(0)
@@ -68,30 +81,46 @@ def test_every_sparse_layer_keeps_the_best_by_the_guide_layers_together():
         )
         for layer in state.resolved.sparse_layers
     }
-    guide = PrefillGuide(guide_layers)
+    guide = PrefillGuide(state.resolved.guide_layers, guide_below)
     for layer, (q, k, v) in inputs.items():
         slot = state.layout.sparse_slots[layer]
         sparse_extend(q, k, v, SCALE, plan, plan.column(slot), state.lanes[slot.lane], state.policy, layer, guide)
     guide.finish()
     state.finish_forward()
+    return state, rows, inputs
 
+
+@pytest.mark.parametrize(
+    "budgets, guide_below, by_guide",
+    [
+        ((BUDGET, BUDGET, BUDGET), None, (True, True, True)),  # no `guide_below`: the guide keeps for all
+        ((BUDGET, BUDGET + 3, BUDGET), BUDGET + 1, (True, False, True)),  # one batch, both ways
+        ((BUDGET, BUDGET, BUDGET), BUDGET, (False, False, False)),  # at `guide_below`: each layer its own
+    ],
+)
+def test_each_sparse_layer_keeps_by_the_guide_below_guide_below_and_by_its_own_from_it(budgets, guide_below, by_guide):
+    """A guided request: every sparse layer keeps the best by the guide (the guide layers'
+    window mass, its largest over their KV heads, averaged over them) in every KV head, with the
+    guide's scores stored; a request whose budget is at least `guide_below`: each layer and KV
+    head keeps the best by its own window mass, as without a guide."""
+    state, rows, inputs = guided_forward(list(budgets), guide_below)
     start = 0
-    for row, length in zip(rows, PROMPTS):
+    for row, length, budget, guided in zip(rows, PROMPTS, budgets, by_guide):
         span = slice(start, start + length)
         start += length
-        want = torch.stack(
-            [window_mass(inputs[layer][0][span], inputs[layer][1][span]).amax(1) for layer in guide_layers]
-        ).mean(0)
+        masses = {layer: window_mass(q[span], k[span]) for layer, (q, k, _) in inputs.items()}
+        guide = torch.stack([masses[layer].amax(1) for layer in state.resolved.guide_layers]).mean(0)
         for layer in state.resolved.sparse_layers:
             keys = inputs[layer][1][span]
             positions, stored = held(state, layer, row, keys)
             for h in range(H_KV):
-                if length <= BUDGET:  # fits: every key, none chosen
+                if length <= budget:  # fits: every key, none chosen
                     assert positions[h] == list(range(length))
                     continue
+                want = guide if guided else masses[layer][:, h]
                 assert positions[h] == sorted(positions[h])
                 protected = {*range(SINK), *range(length - WINDOW, length)}
-                assert len(positions[h]) == BUDGET and protected <= set(positions[h])
+                assert len(positions[h]) == budget and protected <= set(positions[h])
                 chosen = [p for p in positions[h] if p not in protected]
                 dropped = [p for p in range(length) if p not in positions[h]]
                 assert float(want[chosen].min()) >= float(want[dropped].max()) - 1e-9, (layer, h, chosen, dropped)
@@ -153,3 +182,21 @@ def test_a_guide_with_no_sparse_layer_at_its_depth_is_refused():
     config = SparsityConfig(full_layers=(8, 9), budget=64, guide_from=0.8)
     with pytest.raises(SparsityConfigError, match="guide_from: 0.8 of 10 layers starts at layer 8"):
         config.resolve(10, 4096)
+
+
+def test_guide_below_round_trips_and_the_guide_tells_which_budgets_it_chooses_for():
+    config = parse_config('{"guide_from": 0.5, "guide_below": 512}')
+    assert config.guide_below == 512 and config.to_dict()["guide_below"] == 512
+    assert "guided from 0.5 of the depth below budget 512" in config.describe()
+    assert parse_config(json.dumps(config.to_dict())) == config
+    guide = PrefillGuide((2, 3), below=512)
+    assert guide.guided(torch.tensor([64, 511, 512, 4096])).tolist() == [True, True, False, False]
+    assert PrefillGuide((2, 3)).guided(torch.tensor([64, 4096])).tolist() == [True, True]
+    with pytest.raises(ValueError, match="below budget 0"):
+        PrefillGuide((2, 3), below=0)
+
+
+@pytest.mark.parametrize("value", [0, -5, 1.5, True, "512"])
+def test_a_bad_guide_below_is_refused_naming_the_field(value):
+    with pytest.raises(SparsityConfigError, match="guide_below"):
+        SparsityConfig(guide_from=0.5, guide_below=value)
