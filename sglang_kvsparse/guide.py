@@ -13,9 +13,10 @@ entries' stored scores are the guide's too, so decode evictions rank them in the
 
 Only below a budget (`guide_below`): with room, each layer's own selection is the better one.
 On the RULER-style suite (SmolLM2-135M, `bench/selection_probe.py` on the 39 prompts both full
-caches answer) per-layer selection answered 16, 35, 39 and 39 at budgets 256, 384, 512 and
-1,024 where the guide answered 36, 37, 37 and 37: with enough entries every layer keeps what it
-reads itself as well as the answer, and a guided layer keeps only what the late layers read.
+caches answer; `bench/results/selection-probe-all39-*`) per-layer selection answered 16, 35, 39
+and 39 at budgets 256, 384, 512 and 1,024 where the guide answered 36, 37, 37 and 37: with enough
+entries every layer keeps what it reads itself as well as the answer, and a guided layer keeps
+only what the late layers read.
 
 Cost: until the forward's last sparse layer has run, each sparse layer that selects holds its new
 tokens' K/V (the batch's cached prefixes are read again from the prefix store, which the forward
