@@ -18,6 +18,7 @@ Writes ``<out-dir>/selection-probe[-<tag>]-<date>.json`` and ``.md``.
 
 Usage: .venv/bin/python bench/selection_probe.py [--budgets 128,256] [--guide-from 0.33]
        [--follow 8] [--long-follow 40] [--long-places 1] [--reach 16] [--sentence 0.5] [--seeds 0,1,2]
+       [--lengths 2000,3000]
        [--prompts ruler-multikey-2000-1,...] [--tag TAG]
 """
 
@@ -225,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reach", type=int, default=DEFAULT.policy.reach)
     parser.add_argument("--sentence", type=float, default=DEFAULT.policy.sentence)
     parser.add_argument("--seeds", default="0", help="comma-separated RULER seeds (the suite's --ruler-seeds)")
+    parser.add_argument(
+        "--lengths",
+        default=",".join(map(str, LENGTHS)),
+        help="comma-separated haystack lengths (the suite's --ruler-lengths)",
+    )
     parser.add_argument("--prompts", default="", help="comma-separated prompt ids (default: every prompt)")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--tag", default="")
@@ -239,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     guides = {"per-layer": (), "guided": guided}
     wanted = {p for p in args.prompts.split(",") if p}
     seeds = [int(seed) for seed in args.seeds.split(",") if seed]
-    prompts = ruler.ruler_suite(essay_text(ruler.min_essay_chars(LENGTHS)), seeds, TASKS, LENGTHS, PER_LENGTH)
+    lengths = [int(length) for length in args.lengths.split(",") if length]
+    prompts = ruler.ruler_suite(essay_text(ruler.min_essay_chars(lengths)), seeds, TASKS, lengths, PER_LENGTH)
     prompts = [p for p in prompts if not wanted or p.prompt_id in wanted]
     if not prompts:
         print(f"error: no prompt among {sorted(wanted)}", file=sys.stderr)
@@ -253,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             "budgets": budgets,
             "seeds": seeds,
+            "lengths": lengths,
             "follow": args.follow,
             "long_follow": args.long_follow,
             "long_places": args.long_places,
