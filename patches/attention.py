@@ -109,13 +109,12 @@ class KVSparseBackend(AttentionBackend):
     def _prefill_guide(self, plan: ForwardPlan) -> PrefillGuide | None:
         """A guide for this prefill when the configuration names guide layers and some sparse
         layer selects (a prompt is longer than its budget) for a request the guide chooses for
-        (its budget there below `guide_below`)."""
-        resolved = self.state.resolved
-        if not resolved.guide_layers:
-            return None
-        guide = PrefillGuide(resolved.guide_layers, resolved.config.guide_below)
+        (its budget there below `guide_below` of its prompt: `ColumnPlan.guided`)."""
+        guide_layers = self.state.resolved.guide_layers
         columns = [column for group in plan.columns for column in group if column.compress]
-        return guide if any(bool(guide.guided(column.budgets).any()) for column in columns) else None
+        if guide_layers and any(bool(column.guided.any()) for column in columns):
+            return PrefillGuide(guide_layers)
+        return None
 
     def _plan_extend(self, forward_batch: Any, rows: list[int], device: Any) -> ForwardPlan:
         """The prefill plan of the batch's first len(rows) requests."""

@@ -11,12 +11,14 @@ last sparse layer, and then every sparse layer keeps the entries whose guide sco
 policy's score, its largest over a layer's KV heads, averaged over the guide layers. The kept
 entries' stored scores are the guide's too, so decode evictions rank them in the same units.
 
-Only below a budget (`guide_below`): with room, each layer's own selection is the better one.
-On the RULER-style suite (SmolLM2-135M, `bench/selection_probe.py` on the 39 prompts both full
-caches answer; `bench/results/selection-probe-all39-*`) per-layer selection answered 16, 35, 39
-and 39 at budgets 256, 384, 512 and 1,024 where the guide answered 36, 37, 37 and 37: with enough
-entries every layer keeps what it reads itself as well as the answer, and a guided layer keeps
-only what the late layers read.
+Only while a request's budget is below a share of its prompt (`guide_below`, decided by the
+plan: `ColumnPlan.guided`): with room, each layer's own selection is the better one. On the
+RULER-style suite (SmolLM2-135M, `bench/selection_probe.py`; `bench/results/selection-probe-*`)
+per-layer selection answered 16, 35, 39 and 39 of 39 prompts of 2-3k tokens at budgets 256, 384,
+512 and 1,024 where the guide answered 36, 37, 37 and 37; on 6k-token prompts the guide still
+won at 512 (7 against 5 of 9) and lost at 1,024 (6 against 7): with enough of the prompt every
+layer keeps what it reads itself as well as the answer, a guided layer only what the late
+layers read.
 
 Cost: until the forward's last sparse layer has run, each sparse layer that selects holds its new
 tokens' K/V (the batch's cached prefixes are read again from the prefix store, which the forward
@@ -38,13 +40,10 @@ DeferredKeep = Callable[[torch.Tensor], None]
 class PrefillGuide:
     """One prefill forward's guide: the guide layers' scores, and the layers waiting for them."""
 
-    def __init__(self, guide_layers: Collection[int], below: int | None = None) -> None:
+    def __init__(self, guide_layers: Collection[int]) -> None:
         if not guide_layers:
             raise ValueError("a guide needs at least one guide layer")
-        if below is not None and below < 1:
-            raise ValueError(f"a guide below budget {below} guides nothing")
         self.guide_layers = frozenset(guide_layers)
-        self.below = below
         self._total: torch.Tensor | None = None
         self._seen: set[int] = set()
         self._waiting: list[DeferredKeep] = []
@@ -52,13 +51,6 @@ class PrefillGuide:
     def guides(self, layer_id: int) -> bool:
         """Whether the layer's scores are part of the guide (so it scores even when it keeps all)."""
         return layer_id in self.guide_layers
-
-    def guided(self, budgets: torch.Tensor) -> torch.Tensor:
-        """Which requests a layer keeps by the guide, from their budgets in it ([B] on the host):
-        those below `below` (every one without it); the others keep by the layer's own scores."""
-        if self.below is None:
-            return torch.ones(budgets.shape, dtype=torch.bool)
-        return budgets < self.below
 
     def add(self, layer_id: int, scores: torch.Tensor) -> None:
         """A guide layer's scores [total_kv, H_kv]: their best over its KV heads joins the guide."""

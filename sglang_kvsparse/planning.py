@@ -55,6 +55,8 @@ class ColumnPlan:
     Decode: `kv_lens` [B] and `kv_indices` [B, W] (each request's rows in position order, padded
     with valid rows past its length), `score_indices` [B, W] their score slots (the lane's score
     view): the decode kernel's table layout. `evictions`: this step's, one per budget.
+    `guided` ([B] on the host; None without guide layers): the requests a selecting prefill keeps
+    by the cross-layer guide, those whose budget is below `guide_below` of their prompt.
     Prefill with the prefix store: `prefix_slots` (the matched prefixes' store rows, request-major,
     aligned with `ForwardPlan.prefix_positions`) and `store_slots` (where the new tokens at
     `ForwardPlan.store_positions` are stored, for later hits or the prompt's next chunk).
@@ -70,6 +72,7 @@ class ColumnPlan:
     evictions: tuple[Eviction, ...] = ()
     prefix_slots: torch.Tensor | None = None
     store_slots: torch.Tensor | None = None
+    guided: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,7 @@ def plan_extend(
             )
         indices, scores = _indices(state, group, index, device)
         compress = bool((seq_lens > budgets)[~partial].any())
+        guided = _guided(state, budgets, seq_lens)
         plans = []
         for c in range(group.columns):
             column = group.first_column + c
@@ -205,6 +209,7 @@ def plan_extend(
                     compress,
                     prefix_slots=None if prefix_rows is None else prefix_rows[column].to(device),
                     store_slots=None if store_rows is None else store_rows[column].to(device),
+                    guided=guided,
                 )
             )
         columns.append(tuple(plans))
@@ -229,6 +234,17 @@ def plan_extend(
         prefix_positions=_ranges(starts, prefix).to(device),
         new_positions=_ranges(starts + prefix, extend).to(device),
     )
+
+
+def _guided(state: SparseState, budgets: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
+    """The requests (host [B]) a selecting prefill keeps by the guide: with guide layers, those
+    whose budget is below `guide_below` of their whole sequence (all without it)."""
+    if not state.resolved.guide_layers:
+        return None
+    share = state.config.guide_below
+    if share is None:
+        return torch.ones(budgets.shape, dtype=torch.bool)
+    return budgets < share * seq_lens
 
 
 def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | str = "cpu") -> ForwardPlan:

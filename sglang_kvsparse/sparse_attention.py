@@ -43,16 +43,16 @@ def sparse_extend(
     each request's budget per KV head, and the kept K/V and scores are scattered into its rows.
     `policy` is the server's; a request with its own is scored by it (`plan.policy_groups`).
     With a `guide` (`sglang_kvsparse/guide.py`), a guide layer adds its scores to it, and the
-    selection of the requests it guides (`guide.guided`: budgets below its `below`) waits for the
-    guide and keeps by its scores; the others keep by the layer's own. Either way the prefix was read, not
-    written: the row gets copies. The new tokens' K/V also go to their store slots, for later
-    requests that share this prompt; a chunk before its prompt's last is only stored
-    (`plan.keeps`). Returns [T, H_q, D].
+    selection of the requests it guides (`column.guided`: budgets below `guide_below` of their
+    prompt) waits for the guide and keeps by its scores; the others keep by the layer's own.
+    Either way the prefix was read, not written: the row gets copies. The new tokens' K/V also go
+    to their store slots, for later requests that share this prompt; a chunk before its
+    prompt's last is only stored (`plan.keeps`). Returns [T, H_q, D].
     """
     k_all, v_all, kv_indptr = sequence_kv(k, v, plan, column, buffers)
     positions = torch.arange(k_all.shape[0], device=k.device, dtype=torch.int64)
     guiding = guide is not None and guide.guides(layer_id)
-    guided = None if guide is None or not column.compress else guide.guided(column.budgets)
+    guided = column.guided if guide is not None and column.compress else None
     # A layer scores for its own selection, or for the guide; a layer outside the guide needs
     # no scores of its own (nor the softmax statistics) when the guide chooses for every request.
     scoring = guiding or (column.compress and (guided is None or not bool(guided.all())))

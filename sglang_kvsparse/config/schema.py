@@ -100,9 +100,10 @@ class SparsityConfig:
                    A fraction of the model's depth in [0, 1): every sparse layer keeps those the
                    guide layers rank best together, the sparse layers from layer
                    round(guide_from * num_layers) to the last (`sglang_kvsparse/guide.py`).
-      guide_below  with guide_from: a layer whose budget for a request is at least this keeps
-                   that request's entries by its own scores; None: the guide chooses at every
-                   budget. No effect without guide_from.
+      guide_below  with guide_from, a share of the prompt in (0, 1]: a layer whose budget for a
+                   request is at least this share of its prompt keeps that request's entries by
+                   its own scores; None: the guide chooses at every budget. No effect without
+                   guide_from.
     """
 
     enabled: bool = True
@@ -114,7 +115,7 @@ class SparsityConfig:
     policy: ScoringPolicy = SnapKVPolicy()
     max_request_budget: int | None = None
     guide_from: float | None = None
-    guide_below: int | None = None
+    guide_below: float | None = None
     # Where each field's value came from, for error messages: ((field, option label), ...).
     origins: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
@@ -168,8 +169,9 @@ class SparsityConfig:
         guide = self.guide_from
         if guide is not None and (isinstance(guide, bool) or not isinstance(guide, (int, float)) or not 0 <= guide < 1):
             raise self._fail("guide_from", f"expected null or a fraction of the depth in [0, 1), got {guide!r}")
-        if self.guide_below is not None:
-            self._check_int("guide_below", self.guide_below, 1)
+        share = self.guide_below
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
+            raise self._fail("guide_below", f"expected null or a share of the prompt in (0, 1], got {share!r}")
         self._validate_budget_shape()
 
     def _validate_budget_shape(self) -> None:
@@ -305,7 +307,7 @@ class SparsityConfig:
         requests = "" if self.max_request_budget is None else f"; requests may ask up to {self.max_request_budget}"
         guide = "" if self.guide_from is None else f"; prefill guided from {self.guide_from:g} of the depth"
         if guide and self.guide_below is not None:
-            guide += f" below budget {self.guide_below}"
+            guide += f" below budget {self.guide_below:g} of the prompt"
         return (
             f"kvsparse {self.policy.describe()}: full layers {full}; {budget}; sink {self.sink}, "
             f"window {self.window}; evict every {self.evict_page}{guide}{requests}"

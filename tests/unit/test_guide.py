@@ -4,7 +4,7 @@ Against a float64 computation by hand: the guide layers' window attention (SnapK
 pooling), its largest over each layer's KV heads, averaged over the guide layers; every sparse
 layer of every request in a ragged batch keeps the sink, the window and the best of the rest by
 that guide, in every KV head, with the guide's scores stored; a request whose budget is at least
-`guide_below`, in the same batch, by each layer's own. Also the configuration's checks and the
+`guide_below` of its prompt, in the same batch, by each layer's own. Also the configuration's checks and the
 guide's own refusals.
 """
 
@@ -52,7 +52,7 @@ def held(state, layer: int, row: int, keys: torch.Tensor) -> tuple[list[list[int
     return positions, lane.scores[score_slots].double()
 
 
-def guided_forward(budgets: list[int], guide_below: int | None):
+def guided_forward(budgets: list[int], guide_below: float | None):
     """PROMPTS prefilled together under a guide (server budget BUDGET; request i asks for
     `budgets[i]`), every sparse layer's inputs random; returns the state, rows and inputs."""
     state, _ = make_state(
@@ -81,7 +81,9 @@ def guided_forward(budgets: list[int], guide_below: int | None):
         )
         for layer in state.resolved.sparse_layers
     }
-    guide = PrefillGuide(state.resolved.guide_layers, guide_below)
+    guided = [budget < guide_below * length if guide_below else True for budget, length in zip(budgets, PROMPTS)]
+    assert plan.column(state.layout.sparse_slots[1]).guided.tolist() == guided
+    guide = PrefillGuide(state.resolved.guide_layers)
     for layer, (q, k, v) in inputs.items():
         slot = state.layout.sparse_slots[layer]
         sparse_extend(q, k, v, SCALE, plan, plan.column(slot), state.lanes[slot.lane], state.policy, layer, guide)
@@ -94,15 +96,16 @@ def guided_forward(budgets: list[int], guide_below: int | None):
     "budgets, guide_below, by_guide",
     [
         ((BUDGET, BUDGET, BUDGET), None, (True, True, True)),  # no `guide_below`: the guide keeps for all
-        ((BUDGET, BUDGET + 3, BUDGET), BUDGET + 1, (True, False, True)),  # one batch, both ways
-        ((BUDGET, BUDGET, BUDGET), BUDGET, (False, False, False)),  # at `guide_below`: each layer its own
+        ((BUDGET, BUDGET + 3, BUDGET), 0.6, (True, False, True)),  # 9 < 0.6 x 23, not 12 < 0.6 x 17
+        ((BUDGET, BUDGET, BUDGET), 0.45, (True, False, True)),  # one budget: 9 < 0.45 x 23, not < 0.45 x 17
+        ((BUDGET, BUDGET, BUDGET), 0.3, (False, False, False)),  # each layer its own
     ],
 )
 def test_each_sparse_layer_keeps_by_the_guide_below_guide_below_and_by_its_own_from_it(budgets, guide_below, by_guide):
     """A guided request: every sparse layer keeps the best by the guide (the guide layers'
     window mass, its largest over their KV heads, averaged over them) in every KV head, with the
-    guide's scores stored; a request whose budget is at least `guide_below`: each layer and KV
-    head keeps the best by its own window mass, as without a guide."""
+    guide's scores stored; a request whose budget is at least `guide_below` of its prompt: each
+    layer and KV head keeps the best by its own window mass, as without a guide."""
     state, rows, inputs = guided_forward(list(budgets), guide_below)
     start = 0
     for row, length, budget, guided in zip(rows, PROMPTS, budgets, by_guide):
@@ -184,19 +187,14 @@ def test_a_guide_with_no_sparse_layer_at_its_depth_is_refused():
         config.resolve(10, 4096)
 
 
-def test_guide_below_round_trips_and_the_guide_tells_which_budgets_it_chooses_for():
-    config = parse_config('{"guide_from": 0.5, "guide_below": 512}')
-    assert config.guide_below == 512 and config.to_dict()["guide_below"] == 512
-    assert "guided from 0.5 of the depth below budget 512" in config.describe()
+def test_guide_below_round_trips():
+    config = parse_config('{"guide_from": 0.5, "guide_below": 0.15}')
+    assert config.guide_below == 0.15 and config.to_dict()["guide_below"] == 0.15
+    assert "guided from 0.5 of the depth below budget 0.15 of the prompt" in config.describe()
     assert parse_config(json.dumps(config.to_dict())) == config
-    guide = PrefillGuide((2, 3), below=512)
-    assert guide.guided(torch.tensor([64, 511, 512, 4096])).tolist() == [True, True, False, False]
-    assert PrefillGuide((2, 3)).guided(torch.tensor([64, 4096])).tolist() == [True, True]
-    with pytest.raises(ValueError, match="below budget 0"):
-        PrefillGuide((2, 3), below=0)
 
 
-@pytest.mark.parametrize("value", [0, -5, 1.5, True, "512"])
+@pytest.mark.parametrize("value", [0, -0.5, 1.5, 512, True, "0.15"])
 def test_a_bad_guide_below_is_refused_naming_the_field(value):
     with pytest.raises(SparsityConfigError, match="guide_below"):
         SparsityConfig(guide_from=0.5, guide_below=value)
