@@ -307,7 +307,7 @@ class SparsityConfig:
         requests = "" if self.max_request_budget is None else f"; requests may ask up to {self.max_request_budget}"
         guide = "" if self.guide_from is None else f"; prefill guided from {self.guide_from:g} of the depth"
         if guide and self.guide_below is not None:
-            guide += f" below budget {self.guide_below:g} of the prompt"
+            guide += f" while the budget is below {self.guide_below:g} of the prompt"
         return (
             f"kvsparse {self.policy.describe()}: full layers {full}; {budget}; sink {self.sink}, "
             f"window {self.window}; evict every {self.evict_page}{guide}{requests}"

@@ -190,7 +190,7 @@ def test_a_guide_with_no_sparse_layer_at_its_depth_is_refused():
 def test_guide_below_round_trips():
     config = parse_config('{"guide_from": 0.5, "guide_below": 0.15}')
     assert config.guide_below == 0.15 and config.to_dict()["guide_below"] == 0.15
-    assert "guided from 0.5 of the depth below budget 0.15 of the prompt" in config.describe()
+    assert "guided from 0.5 of the depth while the budget is below 0.15 of the prompt" in config.describe()
     assert parse_config(json.dumps(config.to_dict())) == config
 
 
