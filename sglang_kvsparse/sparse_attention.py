@@ -88,13 +88,14 @@ def sparse_extend(
         _keep(k_all, v_all, kv_indptr, scores, plan, column, buffers)
     else:
         k_new, v_new, heads = k.clone(), v.clone(), k.shape[1]
-        own = None if bool(guided.all()) else (scores, guided.to(k.device)[requests][:, None])
+        # The keys of requests that keep by this layer's own scores (none when all are guided).
+        own_keys = None if bool(guided.all()) else ~guided.to(k.device)[requests][:, None]
 
         def keep_by_guide(guide_scores: torch.Tensor) -> None:
             k_seq, v_seq, indptr = sequence_kv(k_new, v_new, plan, column, buffers)
             by = guide_scores[:, None].expand(-1, heads)
-            if own is not None:  # the sequence layout is the same in every layer of the forward
-                by = torch.where(own[1], by, own[0])
+            if own_keys is not None:  # the sequence layout is the same in every layer of the forward
+                by = torch.where(own_keys, scores, by)
             _keep(k_seq, v_seq, indptr, by, plan, column, buffers)
 
         guide.defer(keep_by_guide)

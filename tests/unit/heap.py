@@ -91,7 +91,7 @@ def make_state(
     policy: ScoringPolicy | None = None,
     max_request_budget: int | None = None,
     guide_from: float | None = None,
-    guide_below: int | None = None,
+    guide_below: float | None = None,
 ) -> tuple[SparseState, FreeList]:
     """A state of `num_layers` layers (`full_layers` full, one lane per full layer) on a heap of
     `rows` rows, its lanes on `device`. The policy: SnapKV of `pool_kernel` unless given

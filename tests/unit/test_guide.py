@@ -4,8 +4,8 @@ Against a float64 computation by hand: the guide layers' window attention (SnapK
 pooling), its largest over each layer's KV heads, averaged over the guide layers; every sparse
 layer of every request in a ragged batch keeps the sink, the window and the best of the rest by
 that guide, in every KV head, with the guide's scores stored; a request whose budget is at least
-`guide_below` of its prompt, in the same batch, by each layer's own. Also the configuration's checks and the
-guide's own refusals.
+`guide_below` of its prompt, in the same batch, by each layer's own. Also the configuration's
+checks and the guide's own refusals.
 """
 
 from __future__ import annotations
