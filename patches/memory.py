@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-from sglang.srt.runtime_context import get_model, get_server_args, get_serving
+from sglang.srt.runtime_context import get_memory, get_model, get_schedule, get_server_args, get_serving
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
 from sglang_kvsparse.accounting import footprint_table, format_footprint_table, human_bytes, kv_bytes_per_token
@@ -140,7 +140,7 @@ def make_attach_state(config: SparsityConfig):
             lanes=lanes,
             max_requests=runner.req_to_token_pool._alloc_size,
             heap_rows=rows,
-            prefix_cache=needs_prefix_store(get_server_args()),
+            prefix_cache=needs_prefix_store(get_memory(), get_schedule()),
         )
         state.sentence_marks = sentence_marks(rows + runner.page_size, lanes[0].k.device)
         allocator.attach(token_allocator, state)
@@ -220,9 +220,14 @@ def check_heap(layout: HeapLayout, rows: int) -> None:
         )
 
 
-def needs_prefix_store(args: Any) -> bool:
-    """The sparse layers keep prompt K/V for the radix cache's hits and for chunked prefill."""
-    return not args.disable_radix_cache or (args.chunked_prefill_size or -1) > 0
+def needs_prefix_store(memory: Any, schedule: Any) -> bool:
+    """The sparse layers keep prompt K/V for the radix cache's hits and for chunked prefill.
+
+    Both as SGLang resolved them (its `memory` and `schedule` settings), not as given: SGLang's
+    server args keep an unset --chunked-prefill-size as None while its scheduler chunks at its
+    own default (4,096 tokens on the CPU), and a server started with --disable-radix-cache and
+    no chunk size then met its first chunked prompt without a store and stopped."""
+    return not memory.disable_radix_cache or (schedule.chunked_prefill_size or -1) > 0
 
 
 def check_guards(model: Any) -> None:

@@ -1,5 +1,5 @@
 """Servers shared by the end-to-end tests, started once and in parallel (a minute or two on 2 cores):
-only those the collected tests ask for (CI's tier needs four; `make test-extended` the others).
+only those the collected tests ask for (CI's tier needs five; `make test-extended` the others).
 
 - "project": the project's launcher with sparsity off;
 - "sparse": the project's launcher with sparse layers whose budgets cover every length (lossless),
@@ -9,11 +9,13 @@ only those the collected tests ask for (CI's tier needs four; `make test-extende
   their own budget up to 1,024, or for no sparsity;
 - "unchunked": the evicting server's settings without chunked prefill, with faults injected for
   requests whose rid says so (`FAULT_INJECTION`);
+- "uncached": the default preset as a user starts it with `--disable-radix-cache` and nothing
+  about chunks, so SGLang chunks at its own default size;
 - "stock": stock SGLang.
 
 All serve the embedded default model in float32 with the same KV pool, so any difference in their
-greedy outputs is the project's doing. All but "unchunked" prefill in chunks of 512 tokens with
-mixed chunks (`CHUNK_ARGS`), so that a batch is prefilled the same way on each.
+greedy outputs is the project's doing. All but "unchunked" and "uncached" prefill in chunks of
+512 tokens with mixed chunks (`CHUNK_ARGS`), so that a batch is prefilled the same way on each.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ SERVER_FIXTURES = {
     "sparse": "sparse_server",
     "evicting": "evicting_server",
     "unchunked": "unchunked_server",
+    "uncached": "uncached_server",
     "stock": "stock_server",
 }
 
@@ -111,6 +114,10 @@ def servers(request, model_path, tmp_path_factory):
         "unchunked": (
             [*launcher, *EVICTING_ARGS, "--chunked-prefill-size", "-1"],
             {**server_env(), **FAULT_INJECTION},
+        ),
+        "uncached": (
+            [*launcher, "--dtype", "float32", "--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS), "--disable-radix-cache"],
+            server_env(),
         ),
         "stock": ([PYTHON, "-m", "sglang.launch_server", *stock_args], stock_env),
     }
@@ -143,6 +150,11 @@ def evicting_server(servers) -> Server:
 @pytest.fixture(scope="session")
 def unchunked_server(servers) -> Server:
     return servers["unchunked"]
+
+
+@pytest.fixture(scope="session")
+def uncached_server(servers) -> Server:
+    return servers["uncached"]
 
 
 @pytest.fixture(scope="session")

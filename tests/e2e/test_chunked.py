@@ -78,6 +78,23 @@ def test_a_prompt_near_the_context_is_served_in_chunks(sparse_server):
     assert_every_slot_back(stats)
 
 
+def test_a_prompt_chunked_at_sglangs_own_size_is_served_without_the_radix_cache(uncached_server):
+    """`--disable-radix-cache` and no `--chunked-prefill-size`: SGLang still chunks, at its own
+    default (4,096 tokens on the CPU), and the sparse layers hold the earlier chunk in the prefix
+    store until the last (`patches.memory.needs_prefix_store`; reading the size as given, None,
+    such a server stopped at its first chunked prompt). Twice the same prompt: no reuse, the same
+    answer."""
+    server = uncached_server
+    before = server.stats()
+    results = [server.generate(long_prompt(21_000), MAX_NEW_TOKENS) for _ in range(2)]
+    assert results[0]["meta_info"]["prompt_tokens"] > 4096
+    assert results[0]["output_ids"] == results[1]["output_ids"]
+    stats = server.idle_stats()
+    assert stats["chunks_stored"] - before["chunks_stored"] == len(results)
+    assert stats["prefix_hits"] == before["prefix_hits"]
+    assert_every_slot_back(stats)
+
+
 def test_each_turn_of_a_conversation_reuses_the_previous_prompt(evicting_server):
     """Four turns through the OpenAI endpoint on the evicting server (budget 256: every turn
     evicts): turn k's cached tokens are at least turn k-1's prompt tokens. Each new message is
