@@ -9,7 +9,8 @@ attention (float64, then the project's own `pool_scores`, `spread_scores` and `s
 guided set through the project's `PrefillGuide`), and reports, per layer and KV head, how many of
 the answer's tokens are kept. It then generates greedily with every sparse layer's prompt keys
 masked to the kept ones (the prefill itself is full, as on the server; no decode eviction), so a
-row of kept counts sits beside the answer it leads to. On the 14 prompts the full cache answers
+row of kept counts, and each hidden fact's share kept (the asked one and its look-alikes), sits
+beside the answer it leads to. On the 14 prompts the full cache answers
 its verdicts matched the server's prompt for prompt (`selection-probe-2026-12-03` against
 `fidelity-ruler-ep64-2026-12-03`, per-layer: 8 and 6 of 14 at budgets 128 and 256, and
 `fidelity-ruler-guide-2026-12-03`, guided: 10 and 10).
@@ -140,9 +141,34 @@ def kept_sets(scores: dict[int, torch.Tensor], budget: int, guide_layers: tuple[
 
 def answer_positions(tokenizer: Any, text: str, value: str) -> list[int]:
     """Token positions of the first occurrence of `value` in the templated prompt `text`."""
-    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     start = text.index(value)
-    return [i for i, (a, b) in enumerate(offsets) if a < start + len(value) and b > start]
+    return token_span(tokenizer, text, start, start + len(value))
+
+
+def token_span(tokenizer: Any, text: str, start: int, end: int) -> list[int]:
+    """Token positions of the characters start..end-1 of the templated prompt `text`."""
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return [i for i, (a, b) in enumerate(offsets) if a < end and b > start]
+
+
+def fact_spans(tokenizer: Any, text: str, prompt: Any) -> list[tuple[bool, list[int]]]:
+    """(asked, token positions) of each hidden fact sentence, in text order: a fact is asked
+    when it holds an expected value. A wrong answer with the asked fact cut and a look-alike
+    kept whole is a selection miss; with every fact whole it is the model's reading."""
+    base = text.index(prompt.user_message)
+    spans = []
+    for offset in prompt.fact_char_offsets:
+        start = base + offset
+        end = text.index(".", start) + 1
+        asked = any(value in text[start:end] for value in prompt.expected)
+        spans.append((asked, token_span(tokenizer, text, start, end)))
+    return spans
+
+
+def facts_kept(kept: dict[int, torch.Tensor], facts: list[tuple[bool, list[int]]]) -> list[dict[str, Any]]:
+    """Each fact's share of tokens kept, over every sparse layer and KV head."""
+    masks = torch.stack(list(kept.values()))  # [layers, H_kv, prompt]
+    return [{"asked": asked, "kept": round(float(masks[:, :, span].double().mean()), 3)} for asked, span in facts]
 
 
 def probe_prompt(
@@ -153,6 +179,7 @@ def probe_prompt(
     )
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     answer = answer_positions(tokenizer, text, prompt.expected[0])
+    facts = fact_spans(tokenizer, text, prompt)
     probe.recording, probe.mass = True, {}
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
@@ -180,6 +207,7 @@ def probe_prompt(
                 "output": output,
                 "correct": prompt.correct(output),
                 "answer_tokens_kept": kept_answer,
+                "facts_kept": facts_kept(probe.kept, facts),
             }
             mark = "✓" if prompt.correct(output) else "✗"
             print(f"[probe] {prompt.prompt_id} {label}-{budget}: {mark} {output[:50]!r}", flush=True)
@@ -200,19 +228,25 @@ def markdown(report: dict[str, Any]) -> str:
         f"layers {report['settings']['guide_layers']}",
         "- Kept: per sparse layer, the answer tokens kept in each KV head (digits, one per head), "
         "from the first sparse layer on; no decode eviction",
+        "- Facts: each hidden fact sentence's share of tokens kept over every sparse layer and KV head, "
+        "in text order, the asked one starred; a wrong answer with the asked fact whole is the "
+        "model's reading of what is kept, not a selection that dropped it",
         "",
-        "| run | correct |",
-        "|---|---|",
+        "| run | correct | wrong with the asked fact whole |",
+        "|---|---|---|",
     ]
     for run in runs:
-        right = sum(p["runs"][run]["correct"] for p in report["prompts"].values())
-        lines.append(f"| {run} | {right}/{len(report['prompts'])} |")
-    lines += ["", "| prompt | run | answer | kept per layer and head |", "|---|---|---|---|"]
+        results = [p["runs"][run] for p in report["prompts"].values()]
+        right = sum(r["correct"] for r in results)
+        whole = sum(not r["correct"] and all(f["kept"] == 1 for f in r["facts_kept"] if f["asked"]) for r in results)
+        lines.append(f"| {run} | {right}/{len(results)} | {whole} |")
+    lines += ["", "| prompt | run | answer | facts kept | kept per layer and head |", "|---|---|---|---|---|"]
     for prompt_id, p in report["prompts"].items():
         for run in runs:
             r = p["runs"][run]
             kept = " ".join("".join(str(min(n, 9)) for n in heads) for heads in r["answer_tokens_kept"].values())
-            lines.append(f"| {prompt_id} | {run} | {'✓' if r['correct'] else '✗'} | `{kept}` |")
+            facts = " ".join(f"{'*' if f['asked'] else ''}{f['kept']:.2f}" for f in r["facts_kept"])
+            lines.append(f"| {prompt_id} | {run} | {'✓' if r['correct'] else '✗'} | {facts} | `{kept}` |")
     return "\n".join(lines) + "\n"
 
 

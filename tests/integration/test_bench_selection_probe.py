@@ -1,5 +1,6 @@
 """The selection probe runs on one RULER prompt at one budget and reports, for per-layer and
-guided selection, the answer and the answer tokens every sparse layer kept per KV head. Guided,
+guided selection, the answer, the answer tokens every sparse layer kept per KV head and each
+hidden fact's share kept (the asked one marked). Guided,
 every sparse layer keeps the same set in every head (one guide for all); per-layer, the layers
 differ. About a minute: Hugging Face transformers on the CPU, no server.
 """
@@ -41,4 +42,10 @@ def test_the_probe_reports_kept_answer_tokens_per_layer_and_head(tmp_path: Path)
     assert len({tuple(heads) for heads in per_layer.values()}) > 1
     for run_result in result["runs"].values():
         assert run_result["output"]
+        facts = run_result["facts_kept"]
+        assert len(facts) == 4 and sum(fact["asked"] for fact in facts) == 1  # look-alikes, one asked
+        assert all(0 <= fact["kept"] <= 1 for fact in facts)
+        [asked] = [fact["kept"] for fact in facts if fact["asked"]]
+        answer_kept = any(n for heads in run_result["answer_tokens_kept"].values() for n in heads)
+        assert (asked > 0) == answer_kept  # the answer is inside the asked fact's sentence
     assert (tmp_path / report_file.name.replace(".json", ".md")).is_file()
