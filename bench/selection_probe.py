@@ -51,6 +51,8 @@ from sglang_kvsparse.policies import SpanPolicy
 from sglang_kvsparse.sentences import sentence_end_tokens
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+#: Each token's (first, past-last) character in the templated prompt.
+Offsets = list[tuple[int, int]]
 DEFAULT = PRESETS["default"]
 #: The committed RULER runs' prompts (2 tasks x 2 lengths x 8 per seed); seed 0's full cache answers 14.
 TASKS, LENGTHS, PER_LENGTH = ["multikey", "uuid"], [2000, 3000], 8
@@ -139,19 +141,18 @@ def kept_sets(scores: dict[int, torch.Tensor], budget: int, guide_layers: tuple[
     return kept
 
 
-def answer_positions(tokenizer: Any, text: str, value: str) -> list[int]:
+def answer_positions(offsets: Offsets, text: str, value: str) -> list[int]:
     """Token positions of the first occurrence of `value` in the templated prompt `text`."""
     start = text.index(value)
-    return token_span(tokenizer, text, start, start + len(value))
+    return token_span(offsets, start, start + len(value))
 
 
-def token_span(tokenizer: Any, text: str, start: int, end: int) -> list[int]:
-    """Token positions of the characters start..end-1 of the templated prompt `text`."""
-    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+def token_span(offsets: Offsets, start: int, end: int) -> list[int]:
+    """Token positions of the characters start..end-1 (`offsets`: each token's characters)."""
     return [i for i, (a, b) in enumerate(offsets) if a < end and b > start]
 
 
-def fact_spans(tokenizer: Any, text: str, prompt: Any) -> list[tuple[bool, list[int]]]:
+def fact_spans(offsets: Offsets, text: str, prompt: Any) -> list[tuple[bool, list[int]]]:
     """(asked, token positions) of each hidden fact sentence, in text order: a fact is asked
     when it holds an expected value. A wrong answer with the asked fact cut and a look-alike
     kept whole is a selection miss; with every fact whole it is the model's reading."""
@@ -161,7 +162,7 @@ def fact_spans(tokenizer: Any, text: str, prompt: Any) -> list[tuple[bool, list[
         start = base + offset
         end = text.index(".", start) + 1
         asked = any(value in text[start:end] for value in prompt.expected)
-        spans.append((asked, token_span(tokenizer, text, start, end)))
+        spans.append((asked, token_span(offsets, start, end)))
     return spans
 
 
@@ -177,9 +178,10 @@ def probe_prompt(
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt.user_message}], add_generation_prompt=True, tokenize=False
     )
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    answer = answer_positions(tokenizer, text, prompt.expected[0])
-    facts = fact_spans(tokenizer, text, prompt)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    answer = answer_positions(offsets, text, prompt.expected[0])
+    facts = fact_spans(offsets, text, prompt)
     probe.recording, probe.mass = True, {}
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
