@@ -1,0 +1,482 @@
+"""What the sparse machinery adds to one decode step, counted as a GPU would pay for it.
+
+    python bench/step_cost.py                     # simulated device (no GPU needed), ~3 minutes
+    python bench/step_cost.py --before FILE.json  # the same, with an earlier run's counts beside
+
+At Llama-3.1-8B's KV shape (32 layers, 8 KV heads, head dim 128, bf16; `bench/models/llama-3.1-8b`)
+with the default preset (layers 0-1 full, 30 sparse layers at budget 1,024), requests decode in
+batches of 1, 8, 64 and 128 at contexts above the budget. They joined at different steps, so their
+rows reach budget + evict_page at different steps and most steps of a large batch evict. For
+every decode step it counts, by section of the step:
+
+* **launches**: device ops the sparse machinery issues (each project kernel counted as its
+  Triton launches), from SGLang's allocation hook to the release after the forward;
+* **host syncs**: reads of device values, blocking or pageable copies, data-dependent shapes;
+* the host time of allocation, planning and release (this machine's; the counts are the contract).
+
+SGLang's own work (its token allocator's ids, the full layers, the model) is not counted: the
+question is what sparsity adds. Nothing here needs SGLang: the heap is SGLang's token allocator as
+the state meets it (`TokenAllocatorModel`), with the project's heap hooks on it, and the sparse
+layers' K/V live on a simulated device (`bench/common/device_cost.py`) or, with `--device cuda`,
+a real one. Writes `bench/results/step-cost-<date>[-<device>].json`, `.md` and `.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.common.checkout import importable  # noqa: E402
+
+importable()
+
+from bench.common.device_cost import (  # noqa: E402
+    DeviceCost,
+    SimDevice,
+    count_kernels,
+    count_triton_launches,
+)
+from bench.common.report import ReportPaths, write_json  # noqa: E402
+from sglang_kvsparse import kernels  # noqa: E402
+from sglang_kvsparse.config import PRESETS  # noqa: E402
+from sglang_kvsparse.patches.allocator import attach, make_heap  # noqa: E402
+from sglang_kvsparse.planning import plan_decode, plan_extend  # noqa: E402
+from sglang_kvsparse.sentences import SentenceMarks  # noqa: E402
+from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode  # noqa: E402
+from sglang_kvsparse.sparse_state import LaneBuffers, SparseState  # noqa: E402
+
+SECTIONS = ("allocation", "planning", "eviction", "layers", "release")
+BATCHES = (1, 8, 64, 128)
+MODEL = ROOT / "bench" / "models" / "llama-3.1-8b" / "config.json"
+
+
+class TokenAllocatorModel:
+    """SGLang 0.5.23's token allocator (page size 1) as the sparse state meets it: a free list
+    of ids on the device; an allocation slices it, a free appends to it (`allocator/token.py`)."""
+
+    page_size = 1
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.size, self.device = size, device
+        self.clear()
+
+    def clear(self) -> None:
+        self.free_pages = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+
+    def available_size(self) -> int:
+        return len(self.free_pages)
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        if need_size > len(self.free_pages):
+            return None
+        taken, self.free_pages = self.free_pages[:need_size], self.free_pages[need_size:]
+        return taken
+
+    def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, **kw):
+        return self.alloc(len(seq_lens_cpu))
+
+    def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, **kw):
+        return self.alloc(extend_num_tokens)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel():
+            self.free_pages = torch.cat((self.free_pages, free_index))
+
+    def free_page_ids(self, page_ids: torch.Tensor) -> None:
+        self.free(page_ids)
+
+    def evict_to_free_tokens(self, tree_cache: Any, num_tokens: int) -> None:
+        return None
+
+
+@dataclass
+class Request:
+    row: int
+    length: int
+    final: int
+    ids: list[torch.Tensor] = field(default_factory=list)  # SGLang's ids, on the device
+
+
+@dataclass
+class Run:
+    """One batch size's counts: per decode step, launches and syncs by section."""
+
+    batch: int
+    steps: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Harness:
+    """A sparse state at the model's KV shape on a simulated (or real) device, driven through
+    the same calls as the server makes for a decode step."""
+
+    def __init__(self, cost: DeviceCost, device: torch.device, batch: int, seed: int) -> None:
+        shape = json.loads(MODEL.read_text())
+        self.cost, self.device, self.batch = cost, device, batch
+        self.layers, self.kv_heads = shape["num_hidden_layers"], shape["num_key_value_heads"]
+        self.q_heads, self.head_dim = shape["num_attention_heads"], shape["head_dim"]
+        self.config = PRESETS["default"]
+        resolved = self.config.resolve(self.layers, shape["max_position_embeddings"])
+        lanes = max(len(resolved.full_layers), 1)
+        self.max_requests = batch + 2
+        per_request = (2 * 1040 + 64) * len(resolved.sparse_layers) // lanes + 6000
+        self.rows = per_request * (batch + 1)
+        self.allocator = TokenAllocatorModel(self.rows, device)
+        heap = make_heap(self.allocator)
+        lane_buffers = [
+            LaneBuffers.over(self._kv(self.rows + 1, self.kv_heads), self._kv(self.rows + 1, self.kv_heads))
+            for _ in range(lanes)
+        ]
+        self.state = SparseState(
+            resolved,
+            heap=heap,
+            lanes=lane_buffers,
+            max_requests=self.max_requests,
+            heap_rows=self.rows,
+            prefix_cache=True,
+        )
+        attach(self.allocator, self.state)
+        ends = torch.zeros(shape["vocab_size"], dtype=torch.bool)
+        ends[::97] = True
+        self.state.sentence_marks = SentenceMarks(ends, self.rows + 1, device)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.running: dict[int, Request] = {}
+        self.free_rows = list(range(self.max_requests - 1, 0, -1))
+        self.vocab = shape["vocab_size"]
+
+    def _kv(self, rows: int, heads: int) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.zeros(rows, heads, self.head_dim, dtype=torch.bfloat16, device=self.device)
+        return SimDevice.shapes_only(rows, heads, self.head_dim, dtype=torch.bfloat16)
+
+    def _random(self, *shape: int) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.randn(*shape, dtype=torch.bfloat16, device=self.device)
+        return SimDevice.shapes_only(*shape, dtype=torch.bfloat16)
+
+    def _tokens(self, n: int) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (n,), generator=self.gen).to(self.device)
+
+    # -- requests ------------------------------------------------------------------------------
+    def join(self) -> None:
+        """A new request's prefill (uncounted): a prompt above the budget, compressed to it."""
+        row = self.free_rows.pop()
+        prompt = int(torch.randint(1100, 3000, (1,), generator=self.gen))
+        final = prompt + int(torch.randint(100, 400, (1,), generator=self.gen))
+        ids = self.allocator.alloc(prompt)
+        self.state.expect([row], [final])
+        self.state.alloc_to_lengths(
+            req_pool_indices_cpu=torch.tensor([row]), target_seq_lens_cpu=torch.tensor([prompt])
+        )
+        self.state.sentence_marks.record(ids, self._tokens(prompt))
+        plan_extend(self.state, [row], [0], [prompt], [ids[:0]], ids, self.device)
+        self.state.finish_forward()
+        self.running[row] = Request(row, prompt, final, [ids])
+
+    def finish(self, request: Request) -> None:
+        self.state.free(request.row)
+        self.allocator.free(torch.cat(request.ids))
+        del self.running[request.row]
+        self.free_rows.append(request.row)
+
+    # -- one decode step, as the server runs it -------------------------------------------------
+    def step(self) -> dict[str, Any]:
+        cost, state = self.cost, self.state
+        rows = sorted(self.running)
+        requests = [self.running[row] for row in rows]
+        lengths = torch.tensor([r.length for r in requests])
+        timings: dict[str, float] = {}
+        cost.reset()
+
+        def timed(section: str) -> _Section:
+            return _Section(cost, timings, section)
+
+        with timed("allocation"):
+            state.rows_for_next_decode(rows)  # SGLang's decode check asks the heap
+            with cost.paused():  # SGLang's own ids
+                ids = self.allocator.alloc_decode(lengths, lengths, lengths)
+            state.alloc_to_lengths(req_pool_indices_cpu=torch.tensor(rows), target_seq_lens_cpu=lengths + 1)
+        with timed("planning"):
+            state.sentence_marks.record(ids, self._tokens(len(rows)))
+            plan = plan_decode(state, rows, self.device)
+        evicting = any(column.evictions for group in plan.columns for column in group)
+        with timed("eviction"):
+            evict_planned(plan, state.layout.sparse_slots.values(), state.lanes, state.policy)
+        q = self._random(len(rows), self.q_heads, self.head_dim)
+        k, v = (
+            self._random(len(rows), self.kv_heads, self.head_dim),
+            self._random(len(rows), self.kv_heads, self.head_dim),
+        )
+        positions = lengths.to(self.device)
+        with timed("layers"):
+            for slot in state.layout.sparse_slots.values():
+                column = plan.column(slot)
+                sparse_decode(q, k, v, 0.088, plan, column, state.lanes[slot.lane], state.policy, positions)
+        with timed("release"):
+            state.finish_forward()
+            for request in requests:
+                request.length += 1
+                request.ids.append(ids[rows.index(request.row) : rows.index(request.row) + 1])
+                if request.length >= request.final:
+                    self.finish(request)
+        return {
+            "batch": len(rows),
+            "evicting": evicting,
+            "launches": {section: cost.launches[section] for section in SECTIONS},
+            "syncs": {section: cost.syncs[section] for section in SECTIONS},
+            "sync_kinds": {kind: n for kind, n in cost.sync_kinds.items() if kind.split(":")[0] in SECTIONS},
+            "host_ms": {section: 1000 * seconds for section, seconds in timings.items()},
+        }
+
+
+class _Section:
+    """Counts and times a block as `section`; what runs outside any is the harness's own."""
+
+    def __init__(self, cost: DeviceCost, timings: dict[str, float], section: str) -> None:
+        self.cost, self.timings, self.section = cost, timings, section
+
+    def __enter__(self) -> None:
+        self.cost.section = self.section
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.timings[self.section] = time.perf_counter() - self.start
+        self.cost.section = "harness"
+
+
+def measure(batch: int, steps: int, device: torch.device, seed: int) -> Run:
+    """Warm up until `batch` requests decode with staggered rows, then count `steps` steps."""
+    simulated = device.type != "cuda"
+    cost = DeviceCost(simulated=simulated)
+    restores = [
+        count_kernels(cost, [kernels], ("decode_attention_with_scores", "compact_kv")),
+        count_triton_launches(cost),
+    ]
+    run = Run(batch)
+    try:
+        with cost:
+            harness = Harness(cost, device, batch, seed)
+            joins_per_step = max(1, -(-batch // 16))
+            for _ in range(24):  # requests join over more than one eviction cycle
+                for _ in range(min(joins_per_step, batch - len(harness.running))):
+                    harness.join()
+                harness.step()
+            for _ in range(steps):
+                while len(harness.running) < batch:
+                    harness.join()
+                run.steps.append(harness.step())
+    finally:
+        for restore in restores:
+            restore()
+    return run
+
+
+def summarize(run: Run, sparse_layers: int) -> dict[str, Any]:
+    """Per step means and maxima; per sparse layer; eviction steps apart."""
+
+    def per_step(steps: list[dict[str, Any]]) -> dict[str, Any]:
+        if not steps:
+            return {"steps": 0}
+        totals = [sum(step["launches"].values()) for step in steps]
+        syncs = [sum(step["syncs"].values()) for step in steps]
+        return {
+            "steps": len(steps),
+            "launches_mean": sum(totals) / len(totals),
+            "launches_max": max(totals),
+            "launches_per_layer_mean": sum(totals) / len(totals) / sparse_layers,
+            "launches_per_layer_max": max(totals) / sparse_layers,
+            "by_section_mean": {s: sum(step["launches"][s] for step in steps) / len(steps) for s in SECTIONS},
+            "syncs_mean": sum(syncs) / len(syncs),
+            "syncs_max": max(syncs),
+            "syncs_by_section_mean": {s: sum(step["syncs"][s] for step in steps) / len(steps) for s in SECTIONS},
+        }
+
+    kinds: dict[str, int] = {}
+    for step in run.steps:
+        for kind, count in step["sync_kinds"].items():
+            kinds[kind] = kinds.get(kind, 0) + count
+    host = {s: sorted(step["host_ms"][s] for step in run.steps)[len(run.steps) // 2] for s in SECTIONS}
+    return {
+        "batch": run.batch,
+        "all_steps": per_step(run.steps),
+        "eviction_steps": per_step([step for step in run.steps if step["evicting"]]),
+        "other_steps": per_step([step for step in run.steps if not step["evicting"]]),
+        "sync_kinds_total": kinds,
+        "host_ms_median": host,
+    }
+
+
+def provenance(command: list[str]) -> dict[str, Any]:
+    """The commit this ran at, whether the tree was dirty, and the command."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return done.stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")), "command": command}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    layers = report["settings"]["sparse_layers"]
+    lines = [
+        f"# Decode step cost of the sparse machinery — {report['date']}",
+        "",
+        f"- Device: {report['device']}; commit `{report['provenance']['commit'][:10]}`"
+        + (" (dirty tree)" if report["provenance"]["dirty"] else ""),
+        f"- Shape: {report['settings']['shape']}; preset `default` ({layers} sparse layers, budget "
+        f"{report['settings']['budget']}, evict page {report['settings']['evict_page']})",
+        f"- Command: `{' '.join(report['provenance']['command'])}`",
+        "",
+        "Launches and host syncs per decode step that the sparse layers add (allocation hook, "
+        "planning, eviction, the sparse layers, release), counted per op (`bench/common/device_cost.py`), "
+        "each project kernel as its Triton launches. Per layer = per step / sparse layers.",
+        "",
+        "| batch | steps (evicting) | launches/step | per layer, all steps | per layer, eviction steps (max) "
+        "| per layer, other steps | syncs/step (max) | host ms: alloc / plan / release |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in report["runs"]:
+        every, evicting, other = row["all_steps"], row["eviction_steps"], row["other_steps"]
+        host = row["host_ms_median"]
+        lines.append(
+            f"| {row['batch']} | {every['steps']} ({evicting['steps']}) | {every['launches_mean']:.0f} | "
+            f"{every['launches_per_layer_mean']:.2f} | "
+            + (
+                f"{evicting['launches_per_layer_mean']:.2f} ({evicting['launches_per_layer_max']:.2f})"
+                if evicting["steps"]
+                else "—"
+            )
+            + " | "
+            + (f"{other['launches_per_layer_mean']:.2f}" if other["steps"] else "—")
+            + f" | {every['syncs_mean']:.2f} ({every['syncs_max']}) | "
+            f"{host['allocation']:.2f} / {host['planning']:.2f} / {host['release']:.2f} |"
+        )
+    lines += ["", "Launches per step by section (mean over all steps):", ""]
+    lines += ["| batch | " + " | ".join(SECTIONS) + " |", "|---:|" + "---:|" * len(SECTIONS)]
+    for row in report["runs"]:
+        by = row["all_steps"]["by_section_mean"]
+        lines.append(f"| {row['batch']} | " + " | ".join(f"{by[s]:.1f}" for s in SECTIONS) + " |")
+    kinds = {kind for row in report["runs"] for kind in row["sync_kinds_total"]}
+    if kinds:
+        lines += ["", "Host syncs by kind (total over the counted steps):", ""]
+        lines += ["| kind | " + " | ".join(str(row["batch"]) for row in report["runs"]) + " |"]
+        lines += ["|---|" + "---:|" * len(report["runs"])]
+        for kind in sorted(kinds):
+            lines.append(
+                f"| {kind} | " + " | ".join(str(row["sync_kinds_total"].get(kind, 0)) for row in report["runs"]) + " |"
+            )
+    if report.get("before"):
+        before = report["before"]
+        lines += [
+            "",
+            f"## Before (commit `{before['provenance']['commit'][:10]}`, the same harness)",
+            "",
+            "| batch | per layer, all steps | per layer, eviction steps | syncs/step |",
+            "|---:|---:|---:|---:|",
+        ]
+        for row in before["runs"]:
+            evicting = row["eviction_steps"]
+            lines.append(
+                f"| {row['batch']} | {row['all_steps']['launches_per_layer_mean']:.2f} | "
+                + (f"{evicting['launches_per_layer_mean']:.2f}" if evicting["steps"] else "—")
+                + f" | {row['all_steps']['syncs_mean']:.2f} |"
+            )
+    lines += [
+        "",
+        "Host milliseconds are this machine's medians (a simulated device runs its ops on the CPU); the counts are what carries to a GPU.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(7, 4))
+    sets = [("after", report)] + ([("before", report["before"])] if report.get("before") else [])
+    for label, data in sets:
+        batches = [row["batch"] for row in data["runs"]]
+        every = [row["all_steps"]["launches_per_layer_mean"] for row in data["runs"]]
+        evicting = [
+            row["eviction_steps"]["launches_per_layer_mean"] if row["eviction_steps"]["steps"] else float("nan")
+            for row in data["runs"]
+        ]
+        style = "-" if label == "after" else "--"
+        axis.plot(batches, every, style, marker="o", label=f"{label}: all steps")
+        axis.plot(batches, evicting, style, marker="s", label=f"{label}: eviction steps")
+    axis.set(xlabel="decode batch", ylabel="launches per sparse layer per step", yscale="log")
+    axis.set_xscale("log", base=2)
+    axis.grid(True, alpha=0.3)
+    axis.legend()
+    axis.set_title(f"Sparse decode step: launches per layer ({report['device']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--steps", type=int, default=48, help="counted decode steps per batch size")
+    parser.add_argument("--device", default="sim", choices=("sim", "cuda"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--before", type=Path, help="an earlier run's JSON, shown beside")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--stem", help="file name stem (default step-cost-<date>[-cuda])")
+    args = parser.parse_args()
+    device = SimDevice.device if args.device == "sim" else torch.device("cuda")
+    shape = json.loads(MODEL.read_text())
+    config = PRESETS["default"]
+    sparse_layers = shape["num_hidden_layers"] - len(config.full_layers)
+    runs = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        started = time.perf_counter()
+        run = measure(batch, args.steps, device, args.seed)
+        runs.append(summarize(run, sparse_layers))
+        print(
+            f"[step-cost] batch {batch}: {runs[-1]['all_steps']['launches_per_layer_mean']:.2f} launches/layer, "
+            f"{runs[-1]['all_steps']['syncs_mean']:.2f} syncs/step ({time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else f"simulated on {platform.processor() or 'CPU'}"
+    report = {
+        "date": dt.date.today().isoformat(),
+        "device": gpu,
+        "provenance": provenance(sys.argv),
+        "settings": {
+            "shape": f"{shape['num_hidden_layers']} layers, {shape['num_key_value_heads']} KV heads, head dim "
+            f"{shape['head_dim']}, bf16",
+            "sparse_layers": sparse_layers,
+            "budget": config.budget,
+            "evict_page": config.evict_page,
+            "steps": args.steps,
+            "seed": args.seed,
+        },
+        "runs": runs,
+        "before": json.loads(args.before.read_text()) if args.before else None,
+    }
+    stem = args.stem or f"step-cost-{report['date']}" + ("-cuda" if device.type == "cuda" else "")
+    paths = ReportPaths(args.out_dir, stem)
+    write_json(paths, report)
+    paths.markdown.write_text(markdown(report))
+    plot(report, paths.png)
+    print(f"[step-cost] wrote {paths.json}, {paths.markdown}, {paths.png}")
+
+
+if __name__ == "__main__":
+    main()
