@@ -396,7 +396,8 @@ def markdown(report: dict[str, Any]) -> str:
             )
     lines += [
         "",
-        "Host milliseconds are this machine's medians (a simulated device runs its ops on the CPU); the counts are what carries to a GPU.",
+        "Host milliseconds are this machine's medians (a simulated device runs its ops on the CPU); "
+        "the counts are what carries to a GPU.",
     ]
     return "\n".join(lines) + "\n"
 
