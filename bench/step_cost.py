@@ -209,12 +209,13 @@ class Harness:
             with cost.paused():  # SGLang's own ids
                 ids = self.allocator.alloc_decode(lengths, lengths, lengths)
             state.alloc_to_lengths(req_pool_indices_cpu=torch.tensor(rows), target_seq_lens_cpu=lengths + 1)
+        tokens = self._tokens(len(rows))  # the step's input ids, on the device as SGLang's are
         with timed("planning"):
-            state.sentence_marks.record(ids, self._tokens(len(rows)))
+            state.sentence_marks.record(ids, tokens)
             plan = plan_decode(state, rows, self.device)
-        evicting = any(column.evictions for group in plan.columns for column in group)
+        evicting = bool(plan.evictions)
         with timed("eviction"):
-            evict_planned(plan, state.layout.sparse_slots.values(), state.lanes, state.policy)
+            evict_planned(plan, state.layout, state.lanes, state.policy)
         q = self._random(len(rows), self.q_heads, self.head_dim)
         k, v = (
             self._random(len(rows), self.kv_heads, self.head_dim),

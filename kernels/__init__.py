@@ -20,7 +20,7 @@ from .extend_attention import (
     extend_attention_with_stats_torch,
     extend_attention_with_stats_triton,
 )
-from .selection import best_places, pool_scores, select_kept, spread_scores
+from .selection import best_places, pool_scores, select_kept, select_rows, spread_scores
 from .window_scores import (
     WindowScoreConfig,
     window_scores,
@@ -46,6 +46,7 @@ __all__ = [
     "extend_attention_with_stats_triton",
     "pool_scores",
     "select_kept",
+    "select_rows",
     "spread_scores",
     "window_scores",
     "window_scores_torch",

@@ -217,3 +217,27 @@ def select_kept(
     kept = torch.sort(top, dim=1).values
     kept = torch.where(kept == max_len, -1, kept)
     return kept.transpose(1, 2).contiguous(), kept_lens
+
+
+def select_rows(scores: torch.Tensor, budget: int, sink: int, window: int) -> torch.Tensor:
+    """Positions to keep in rows that all hold ``n`` entries (a decode eviction's rows, every layer
+    and request of one budget at once): per row and KV head the first ``sink`` and last
+    ``window`` positions, then the best-scored rest up to ``budget``, ascending; of equal scores
+    the earlier positions, as `select_kept` keeps them.
+
+    Args:
+        scores: [R, n, H_kv] scores, n >= budget >= sink + window.
+
+    Returns:
+        kept [R, budget, H_kv] int64 positions within each row. A fixed number of ops whatever R,
+        and no value is read back.
+    """
+    n = scores.shape[1]
+    if sink < 0 or window < 0 or not sink + window <= budget <= n:
+        raise ValueError(f"need 0 <= sink ({sink}) + window ({window}) <= budget ({budget}) <= row length ({n})")
+    positions = torch.arange(n, device=scores.device)
+    protected = (positions < sink) | (positions >= n - window)
+    rank = torch.where(protected[None, :, None], float("inf"), scores.float())
+    # A stable sort, as in `select_kept`: of equal scores the earliest positions win.
+    top = torch.sort(rank, dim=1, descending=True, stable=True).indices[:, :budget]
+    return torch.sort(top, dim=1).values

@@ -6,14 +6,22 @@ the sparse layers' entries and the prefix store's blocks. `heap_allocator_class`
 allocator SGLang built (token or paged) so that SGLang's scheduler sees the whole heap through the
 hooks it already calls on every allocator:
 
-* `available_size` counts the prefix store's reclaimable rows as free, and every `alloc*` reclaims
-  them before it hands out rows, so the store borrows memory without SGLang knowing;
+* `available_size` counts the prefix store's reclaimable rows and the host's free rows as free, and
+  every `alloc*` reclaims store rows and lends host rows to SGLang's own free list before it hands
+  out ids, so the store borrows memory without SGLang knowing;
 * `free` of SGLang's ids drops their prefix-store entries (the tree no longer holds the token);
 * `request_slot_reserve` (admission, every path) adds what the prefill being admitted takes in the
   sparse columns (the charge `patches/admission.py` sets for the request, by the prefill's end),
   `check_decode_capacity` (the decode check the retract loop converges on) adds the next step's
   sparse entries, and `max_new_tokens_for_memory` (queue admission) knows what a request of a
   given length holds in the heap, its prefill's peak included.
+
+**Two free lists, one heap.** SGLang keeps its free ids on the device; reading them back makes
+the host wait for the device. So the rows the project hands out come from a free list on the host
+(`RawHeapRows.host`): every row the project gives back goes there, a prefill's allocation tops it
+up from SGLang's list to what the running requests' decode steps may take (`reserve`, where the
+host may wait), and SGLang's allocations draw on it when its own list runs short (`lend`: a
+pinned, non-blocking copy). A decode step then never reads a device value for its rows.
 """
 
 from __future__ import annotations
@@ -23,32 +31,73 @@ from typing import Any
 
 import torch
 
+from sglang_kvsparse.device_copy import upload
 from sglang_kvsparse.layout import round_up
 from sglang_kvsparse.sparse_state import SparseState
 
 
 class RawHeapRows:
-    """`HeapRows` over the allocator SGLang built: its stock methods, bypassing the heap hooks."""
+    """`HeapRows` over the allocator SGLang built: the project's free rows on the host, and
+    SGLang's own free list through its stock methods (bypassing the heap hooks)."""
 
     def __init__(self, allocator: Any, base: type) -> None:
         self.allocator = allocator
         self.base = base
         self.page_size = allocator.page_size
         self.tree_cache: Any = None  # SGLang's radix tree, learned from the first admission
+        #: Free rows known on the host, whole pages.
+        self.host = torch.empty(0, dtype=torch.int64)
+        #: Copies of SGLang's free ids to the host (each waits for the device on a GPU).
+        self.refills = 0
 
     def take(self, rows: int) -> torch.Tensor | None:
-        return self.base.alloc(self.allocator, rows)
+        if self.host.numel() < rows:
+            self._refill(rows - self.host.numel())
+        if self.host.numel() < rows:
+            return None
+        taken, self.host = self.host[:rows], self.host[rows:]
+        return taken
 
     def give(self, rows: torch.Tensor) -> None:
+        if rows.device.type != "cpu":
+            raise ValueError("heap rows are given back from the host tables, never from the device")
         if rows.numel():
-            self.base.free(self.allocator, rows.to(self.allocator.device))
+            self.host = torch.cat((self.host, rows.reshape(-1).to(torch.int64)))
 
     def free_rows(self) -> int:
-        return self.base.available_size(self.allocator)
+        return self.base.available_size(self.allocator) + self.host.numel()
+
+    def reserve(self, rows: int) -> None:
+        if self.host.numel() < rows:
+            self._refill(rows - self.host.numel())
+
+    def lend(self, rows: int) -> None:
+        """Move up to `rows` (whole pages) of the host's free rows to SGLang's own free list."""
+        count = min(round_up(rows, self.page_size), self.host.numel())
+        if count <= 0:
+            return
+        lent, self.host = self.host[:count], self.host[count:]
+        (pages,) = upload([lent[:: self.page_size] // self.page_size], self.allocator.device)
+        self.base.free_page_ids(self.allocator, pages)
+
+    def clear(self) -> None:
+        """SGLang's free list was reset to every row: the host's copies are in it again."""
+        self.host = torch.empty(0, dtype=torch.int64)
 
     def evict_cache(self, rows: int) -> None:
         if self.tree_cache is not None:
             self.allocator.evict_to_free_tokens(self.tree_cache, rows)
+
+    def _refill(self, rows: int) -> None:
+        """Move `rows` (whole pages, at most what it has) of SGLang's free ids to the host."""
+        count = min(round_up(rows, self.page_size), self.base.available_size(self.allocator))
+        if count <= 0:
+            return
+        taken = self.base.alloc(self.allocator, count)
+        if taken is None:
+            return
+        self.host = torch.cat((self.host, taken.to("cpu", torch.int64)))
+        self.refills += 1
 
 
 def heap_allocator_class(base: type) -> type:
@@ -62,20 +111,28 @@ def heap_allocator_class(base: type) -> type:
         kvsparse_charge: Callable[[int], int] | None = None
 
         def available_size(self) -> int:
-            return super().available_size() + self.kvsparse_state.reclaimable_rows()
+            return super().available_size() + self.kvsparse_rows.host.numel() + self.kvsparse_state.reclaimable_rows()
+
+        def _make_room(self, rows: int) -> None:
+            """SGLang's next allocation takes up to `rows` ids from its own free list: reclaim
+            prefix-store blocks, and lend host rows when its list is short."""
+            self.kvsparse_state.reclaim(rows)
+            short = rows - super().available_size()
+            if short > 0:
+                self.kvsparse_rows.lend(short)
 
         def alloc(self, need_size: int):
-            self.kvsparse_state.reclaim(need_size)
+            self._make_room(need_size)
             return super().alloc(need_size)
 
         def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, **kw):
-            self.kvsparse_state.reclaim(extend_num_tokens + len(seq_lens_cpu) * self.page_size)
+            self._make_room(extend_num_tokens + (len(seq_lens_cpu) + 1) * self.page_size)
             return super().alloc_extend(
                 prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, **kw
             )
 
         def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc, **kw):
-            self.kvsparse_state.reclaim(len(seq_lens_cpu) * self.page_size)
+            self._make_room(len(seq_lens_cpu) * self.page_size)
             return super().alloc_decode(seq_lens, seq_lens_cpu, last_loc, **kw)
 
         def free(self, free_index: torch.Tensor) -> None:
@@ -84,6 +141,8 @@ def heap_allocator_class(base: type) -> type:
 
         def clear(self) -> None:
             super().clear()
+            if "kvsparse_rows" in self.__dict__:
+                self.kvsparse_rows.clear()
             if "kvsparse_state" in self.__dict__:
                 self.kvsparse_state.reset_allocator()
 

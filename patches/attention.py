@@ -5,11 +5,14 @@ every MHA/GQA backend (`sglang_kvsparse.backends.WRAPPED_BACKENDS`: SGLang's def
 device among them) with a factory that wraps the stock backend in `KVSparseBackend`. Full
 layers go to the stock backend unchanged; sparse layers read and write their own rows of the
 heap's lanes (`SparseState.lanes`) through `sglang_kvsparse.sparse_attention`. The forward's plan
-is built once per step in `init_forward_metadata` (`sglang_kvsparse.planning`), where a decode
-step's evictions also run, in every sparse layer at once (`evict_planned`); after the last
-sparse layer has been issued, the state releases what the step's evictions and prefix reads held.
-A mixed forward (`--enable-mixed-chunk`: a prefill with the running requests' decode tokens
-appended) gets a prefill plan and a decode plan, split where the decoding rows begin.
+is built once per step in `init_forward_metadata` (`sglang_kvsparse.planning`) from host data
+only (the request rows from SGLang's host copy, which `with_host_rows` keeps for decode batches
+too), and a decode step's evictions run there, in every sparse layer at once (`prepare_decode`).
+Once SGLang has issued the whole forward (`release_after_forward`, after `_forward_raw`), the state
+releases what the step's evictions and prefix reads held: outside the layers, so a captured graph
+has no host side effect. A mixed forward (`--enable-mixed-chunk`: a prefill with the running
+requests' decode tokens appended) gets a prefill plan and a decode plan, split where the decoding
+rows begin.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_kvsparse.backends import WRAPPED_BACKENDS
 from sglang_kvsparse.guide import PrefillGuide
-from sglang_kvsparse.planning import ForwardPlan, MixedPlan, plan_decode, plan_extend
-from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend, sparse_mixed
+from sglang_kvsparse.planning import ForwardPlan, MixedPlan, plan_extend
+from sglang_kvsparse.sparse_attention import prepare_decode, sparse_decode, sparse_extend, sparse_mixed
 from sglang_kvsparse.sparse_state import SparseState
 
 from . import context
@@ -77,8 +80,7 @@ class KVSparseBackend(AttentionBackend):
         marks = self.state.sentence_marks
         if marks is not None and not mode.is_idle():
             marks.record(forward_batch.out_cache_loc, forward_batch.input_ids)
-        cpu_rows = forward_batch.req_pool_indices_cpu
-        rows = (forward_batch.req_pool_indices if cpu_rows is None else cpu_rows).tolist()
+        rows = self._rows(forward_batch)
         device = self.state.lanes[0].k.device
         if mode.is_idle():
             self._plan = None
@@ -100,11 +102,18 @@ class KVSparseBackend(AttentionBackend):
         else:
             raise NotImplementedError(f"kvsparse: forward mode {mode} is not supported with sparse layers")
 
+    def _rows(self, forward_batch: Any) -> list[int]:
+        """The batch's request rows, from SGLang's host copy. Without one (a path that gives a
+        forward none) they are read from the device: counted, as it makes the host wait."""
+        rows = forward_batch.req_pool_indices_cpu
+        if rows is None:
+            self.state.counters.host_syncs += 1
+            rows = forward_batch.req_pool_indices
+        return rows.tolist()
+
     def _plan_decode(self, rows: list[int], device: Any) -> ForwardPlan:
         """The decode plan of these rows, its evictions already run in every sparse layer."""
-        plan = plan_decode(self.state, rows, device)
-        evict_planned(plan, self.state.layout.sparse_slots.values(), self.state.lanes, self.state.policy)
-        return plan
+        return prepare_decode(self.state, rows, device)
 
     def _prefill_guide(self, plan: ForwardPlan) -> PrefillGuide | None:
         """A guide for this prefill when the configuration names guide layers and some sparse
@@ -161,14 +170,26 @@ class KVSparseBackend(AttentionBackend):
         return o.reshape(q3.shape[0], -1)
 
     def _after_sparse_layer(self, layer_id: int) -> None:
-        if layer_id == self._last_sparse_layer:
-            if self._guide is not None:
-                self._guide.finish()
-                self._guide = None
-            self.state.finish_forward()
+        if layer_id == self._last_sparse_layer and self._guide is not None:
+            self._guide.finish()
+            self._guide = None
 
     def support_triton(self) -> bool:
         return self.inner.support_triton()
+
+
+def with_host_rows(forward_batch: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER `ForwardBatch.init_new`: SGLang hands a forward its request rows on the host for
+    extends only, while the scheduler's batch keeps them for decodes too: keep them, so the plan
+    never reads them back from the device."""
+    if forward_batch.req_pool_indices_cpu is None:
+        forward_batch.req_pool_indices_cpu = getattr(batch, "req_pool_indices_cpu", None)
+
+
+def release_after_forward(result: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER `ModelRunner._forward_raw`: the whole forward has been issued, so the rows its
+    evictions read and the prefixes it read can go back (`SparseState.finish_forward`)."""
+    context.state().finish_forward()
 
 
 def _wrapping_factory(stock: Callable[[Any], AttentionBackend]) -> Callable[[Any], AttentionBackend]:
@@ -196,4 +217,4 @@ def installed() -> bool:
     return all(getattr(factory, _MARK, False) for factory in registered if factory is not None)
 
 
-__all__ = ["KVSparseBackend", "WRAPPED_BACKENDS", "install", "installed"]
+__all__ = ["KVSparseBackend", "WRAPPED_BACKENDS", "install", "installed", "release_after_forward", "with_host_rows"]

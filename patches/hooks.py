@@ -39,6 +39,10 @@ CREATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create
 INTERNAL_STATE = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
 )
+#: AFTER: a decode forward keeps the scheduler's host copy of its request rows (`attention.with_host_rows`).
+FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+#: AFTER: the issued forward's evicted rows and prefix pins go back (`attention.release_after_forward`).
+FORWARD_RAW = "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw"
 #: AFTER: SGLang's metrics logging sets the sparse gauges too (`observability.set_gauges`).
 LOG_STATS = "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector.log_stats"
 
@@ -57,6 +61,8 @@ ALL: tuple[str, ...] = (
     RADIX_INSERT,
     CREATE_REQUEST,
     INTERNAL_STATE,
+    FORWARD_BATCH,
+    FORWARD_RAW,
     LOG_STATS,
 )
 

@@ -55,6 +55,8 @@ def load() -> None:
         (hooks.RADIX_INSERT, prefix.adopt_duplicates, HookType.AROUND),
         (hooks.CREATE_REQUEST, validation.make_check_setting(config), HookType.AFTER),
         (hooks.INTERNAL_STATE, observability.add_stats, HookType.AFTER),
+        (hooks.FORWARD_BATCH, attention.with_host_rows, HookType.AFTER),
+        (hooks.FORWARD_RAW, attention.release_after_forward, HookType.AFTER),
         (hooks.LOG_STATS, observability.set_gauges, HookType.AFTER),
     ]
     for target, hook, kind in registrations:

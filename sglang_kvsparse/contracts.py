@@ -42,13 +42,18 @@ class HeapRows(Protocol):
     page_size: int
 
     def take(self, rows: int) -> torch.Tensor | None:
-        """`rows` (a multiple of the page size) free rows, page by page, or None if fewer are free."""
+        """`rows` (a multiple of the page size) free rows, page by page, as a host int64 tensor,
+        or None if fewer are free."""
 
     def give(self, rows: torch.Tensor) -> None:
-        """Return rows (whole pages) to the free list."""
+        """Return rows (whole pages, a host tensor) to the free list."""
 
     def free_rows(self) -> int:
         """Rows on the free list."""
+
+    def reserve(self, rows: int) -> None:
+        """Keep at least `rows` free rows where `take` hands them out without waiting on the
+        device (called where the host may wait: a prefill's allocation)."""
 
     def evict_cache(self, rows: int) -> None:
         """Let SGLang's radix tree free cached tokens until `rows` are free or reclaimable (or it

@@ -60,6 +60,14 @@ class GroupSpec:
     def layers(self) -> tuple[int, ...]:
         return tuple(layer for column in self.columns for layer in column.layers)
 
+    def columns_on_lane(self, lane: int) -> int:
+        """How many columns have a layer on `lane`: they are the group's first ones (only a
+        group's last column can hold fewer layers than there are lanes)."""
+        count = sum(1 for column in self.columns if len(column.layers) > lane)
+        if any(len(column.layers) <= lane for column in self.columns[:count]):
+            raise ValueError(f"group {self.index}: a short column before the last")
+        return count
+
 
 @dataclass(frozen=True)
 class SparseSlot:

@@ -9,12 +9,12 @@ No SGLang imports.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from sglang_kvsparse.device_copy import upload
 from sglang_kvsparse.layout import SparseSlot
 from sglang_kvsparse.policies import ScoringPolicy
 from sglang_kvsparse.row_table import HeapError
@@ -23,11 +23,12 @@ from sglang_kvsparse.sparse_state import SparseGroup, SparseState
 
 @dataclass(frozen=True)
 class Eviction:
-    """The decode evictions of one column's requests that keep the same `budget` by the same
-    `policy` (None: the server's): `slots` [N, max_entries] their old rows, in position order,
-    `score_slots` their score slots; the forward keeps `budget` of each request's in its first
-    `budget` rows."""
+    """The decode evictions of one group's requests that keep the same `budget` by the same
+    `policy` (None: the server's), in every column of the group at once: `slots` [columns, N,
+    n_old] their old rows, in position order, `score_slots` their score slots; the forward keeps
+    `budget` of each request's in its first `budget` rows (`sparse_attention.evict_planned`)."""
 
+    group: int
     budget: int
     slots: torch.Tensor
     score_slots: torch.Tensor
@@ -54,7 +55,7 @@ class ColumnPlan:
     how much to select.
     Decode: `kv_lens` [B] and `kv_indices` [B, W] (each request's rows in position order, padded
     with valid rows past its length), `score_indices` [B, W] their score slots (the lane's score
-    view): the decode kernel's table layout. `evictions`: this step's, one per budget.
+    view): the decode kernel's table layout.
     `guided` ([B] on the host; None without guide layers): the requests a selecting prefill keeps
     by the cross-layer guide, those whose budget is below `guide_below` of their prompt.
     Prefill with the prefix store: `prefix_slots` (the matched prefixes' store rows, request-major,
@@ -69,7 +70,6 @@ class ColumnPlan:
     kv_lens: torch.Tensor | None = None
     kv_indices: torch.Tensor | None = None
     score_indices: torch.Tensor | None = None
-    evictions: tuple[Eviction, ...] = ()
     prefix_slots: torch.Tensor | None = None
     store_slots: torch.Tensor | None = None
     guided: torch.Tensor | None = None
@@ -80,7 +80,7 @@ class DecodeTables:
     """One group's decode inputs for B requests, shared by its columns (column c is `[..., c]`
     of the tables, `[c]` of the newest entries).
 
-    `lengths` [B] int32; `entries` and `score_slots` [B, W, columns]: each request's rows and
+    `lengths` [B] int64; `entries` and `score_slots` [B, W, columns]: each request's rows and
     score slots in position order, padded past its length with valid ones (the padding row and
     its scratch score slots); `newest` and `newest_scores` [columns, B]: where the step's token
     goes."""
@@ -91,14 +91,13 @@ class DecodeTables:
     newest: torch.Tensor
     newest_scores: torch.Tensor
 
-    def column(self, c: int, evictions: tuple[Eviction, ...] = ()) -> ColumnPlan:
+    def column(self, c: int) -> ColumnPlan:
         return ColumnPlan(
             self.newest[c],
             self.newest_scores[c],
             kv_lens=self.lengths,
             kv_indices=self.entries[..., c],
             score_indices=self.score_slots[..., c],
-            evictions=evictions,
         )
 
 
@@ -116,7 +115,8 @@ class ForwardPlan:
     `policy_groups`: when some request has a policy of its own, every policy of the batch with its
     requests (empty: the server's policy serves them all). `sentence_ends` [total_kv] bool: the
     sequence's keys whose token ends a sentence (a prefill on a server that knows its tokens;
-    `sglang_kvsparse.sentences`), else None.
+    `sglang_kvsparse.sentences`), else None. `evictions`: a decode step's, one per group and
+    (budget, policy) among its evicting requests.
     """
 
     qo_indptr: torch.Tensor
@@ -130,6 +130,7 @@ class ForwardPlan:
     kept_positions: torch.Tensor | None = None
     store_positions: torch.Tensor | None = None
     decode_tables: tuple[DecodeTables, ...] = ()  # [group], decode plans only
+    evictions: tuple[Eviction, ...] = ()
     policy_groups: tuple[PolicyGroup, ...] = ()
     sentence_ends: torch.Tensor | None = None
 
@@ -164,7 +165,7 @@ def plan_extend(
     and `new_ids` (the batch's new tokens' ids, request-major) are required: the prefixes' store
     rows are looked up (pinned at admission or held since the previous chunk, so they are there),
     a chunk's tokens are stored (admission charged their rows) and the other new tokens get store
-    rows where the heap has room.
+    rows where the heap has room. The plan's index tensors travel in one non-blocking copy.
     """
     prefix_lens = [int(n) for n in prefix_lens]
     extend_lens = [int(n) for n in extend_lens]
@@ -187,7 +188,9 @@ def plan_extend(
         prefix_rows, store_rows, store_positions = _use_store(state, index, prefix_ids, new_ids, extend)
     elif bool(partial.any()):
         raise HeapError("a chunked prefill reached the sparse layers without a prefix store")
-    columns = []
+    staging = _Staging()
+    writes = [staging.writes(group) for group in state.groups]
+    staged_columns = []
     for group in state.groups:
         budgets = state.budgets(group, index)
         kept = torch.where(partial, 0, torch.minimum(seq_lens, budgets))
@@ -195,45 +198,89 @@ def plan_extend(
             raise HeapError(
                 f"sparse rows hold {group.table.lengths[index].tolist()} entries for a prefill keeping {kept.tolist()}"
             )
-        indices, scores = _indices(state, group, index, device)
+        indices, scores = _indices(state, group, index)
         compress = bool((seq_lens > budgets)[~partial].any())
         guided = _guided(state, budgets, seq_lens)
-        plans = []
-        for c in range(group.columns):
-            column = group.first_column + c
-            plans.append(
-                ColumnPlan(
-                    indices[c],
-                    scores[c],
+        staged_columns.append(
+            [
+                (
+                    staging.add(indices[c]),
+                    staging.add(scores[c]),
                     budgets,
                     compress,
-                    prefix_slots=None if prefix_rows is None else prefix_rows[column].to(device),
-                    store_slots=None if store_rows is None else store_rows[column].to(device),
-                    guided=guided,
+                    staging.add(None if prefix_rows is None else prefix_rows[group.first_column + c]),
+                    staging.add(None if store_rows is None else store_rows[group.first_column + c]),
+                    guided,
                 )
-            )
-        columns.append(tuple(plans))
-    plan = ForwardPlan(
-        _indptr(extend, device),
-        tuple(columns),
-        state.config.sink,
-        state.config.window,
-        store_positions=None if store_positions is None else store_positions.to(device),
-        policy_groups=_policy_groups(state, index, device),
+                for c in range(group.columns)
+            ]
+        )
+    at_qo = staging.add(_indptr(extend))
+    at_store = staging.add(store_positions)
+    policies = staging.policies(state, index)
+    kept_positions = keeps = kv_indptr = prefix_positions = new_positions = None
+    if bool(partial.any()):
+        kept_positions = staging.add(_ranges(_indptr(seq_lens)[:-1][~partial], seq_lens[~partial]))
+        keeps = staging.add(~partial)
+    if any(prefix_lens):
+        starts = _indptr(seq_lens)[:-1]
+        kv_indptr = staging.add(_indptr(seq_lens))
+        prefix_positions = staging.add(_ranges(starts, prefix))
+        new_positions = staging.add(_ranges(starts + prefix, extend))
+    get = staging.send(device)
+    for group, write in zip(state.groups, writes):
+        _apply_writes(group, write, get)
+    columns = tuple(
+        tuple(
+            ColumnPlan(get(i), get(sc), budgets, compress, prefix_slots=get(p), store_slots=get(st), guided=guided)
+            for i, sc, budgets, compress, p, st, guided in group_columns
+        )
+        for group_columns in staged_columns
     )
     state.prefilled[index[~partial]] = True
-    if bool(partial.any()):
-        kept_positions = _ranges(_indptr(seq_lens, "cpu")[:-1][~partial], seq_lens[~partial])
-        plan = dataclasses.replace(plan, keeps=(~partial).to(device), kept_positions=kept_positions.to(device))
-    if not any(prefix_lens):
-        return plan
-    starts = _indptr(seq_lens, "cpu")[:-1]
-    return dataclasses.replace(
-        plan,
-        kv_indptr=_indptr(seq_lens, device),
-        prefix_positions=_ranges(starts, prefix).to(device),
-        new_positions=_ranges(starts + prefix, extend).to(device),
+    return ForwardPlan(
+        get(at_qo),
+        columns,
+        state.config.sink,
+        state.config.window,
+        kv_indptr=get(kv_indptr),
+        prefix_positions=get(prefix_positions),
+        new_positions=get(new_positions),
+        keeps=get(keeps),
+        kept_positions=get(kept_positions),
+        store_positions=get(at_store),
+        policy_groups=tuple(PolicyGroup(policy, get(r), get(m)) for policy, r, m in policies),
     )
+
+
+class _Staging:
+    """Host tensors bound for the device in one non-blocking copy (`device_copy.upload`): `add`
+    gives each a place (None stays None), `send` returns the lookup of places to device tensors."""
+
+    def __init__(self) -> None:
+        self.host: list[torch.Tensor] = []
+
+    def add(self, tensor: torch.Tensor | None) -> int | None:
+        if tensor is None:
+            return None
+        self.host.append(tensor)
+        return len(self.host) - 1
+
+    def writes(self, group: SparseGroup) -> tuple[int, int, int, int] | None:
+        """The group's pending device-table changes (`SparseGroup.stale_entries`), staged; None
+        when nothing changed."""
+        entries, values, score_entries, score_values = group.stale_entries()
+        if not entries.numel() and not score_entries.numel():
+            return None
+        return self.add(entries), self.add(values), self.add(score_entries), self.add(score_values)
+
+    def policies(self, state: SparseState, index: torch.Tensor) -> list[tuple[ScoringPolicy, int, int]]:
+        """Every policy of the batch with its requests' places and mask (`_policy_members`), staged."""
+        return [(policy, self.add(places), self.add(mask)) for policy, places, mask in _policy_members(state, index)]
+
+    def send(self, device: torch.device | str) -> Callable[[int | None], torch.Tensor | None]:
+        on_device = upload(self.host, device)
+        return lambda place: None if place is None else on_device[place]
 
 
 def _guided(state: SparseState, budgets: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
@@ -248,78 +295,102 @@ def _guided(state: SparseState, budgets: torch.Tensor, seq_lens: torch.Tensor) -
 
 
 def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | str = "cpu") -> ForwardPlan:
-    """Plan a decode step: each row's newest entry (appended by the allocation) takes the new
-    token, and the rows the allocation cut back to their budget get their eviction (`evictions`,
-    one per budget among them)."""
+    """Plan a decode step from the host tables alone: each row's newest entry (appended by the
+    allocation) takes the new token, and the rows the allocation cut back to their budget get
+    their eviction (`evictions`, one per group and (budget, policy) among them). What the device
+    needs (its tables' pending changes, the rows, lengths and evictions) travels in one
+    non-blocking copy (`device_copy.upload`), and nothing is read back: the host never waits."""
     state.counters.forward_plans += 1
     index = torch.tensor(list(rows), dtype=torch.int64)
-    listed = set(index.tolist())
-    columns = []
+    staging = _Staging()
+    writes = [staging.writes(group) for group in state.groups]
+    per_row = state.scores_per_row
+    at_rows, at_batch = staging.add(index), staging.add(torch.arange(len(index)))
     tables = []
-    for group in state.groups:
-        group_tables = _decode_tables(state, group, index, device)
-        tables.append(group_tables)
-        rows = [row for row in index.tolist() if row in group.evictions]
-        olds = {row: group.evictions.pop(row) for row in rows}
+    kinds = []
+    listed = set(index.tolist())
+    for g, group in enumerate(state.groups):
+        lengths = group.table.lengths[index]
+        width = int(lengths.max()) if lengths.numel() else 0
+        positions = torch.arange(width)
+        last = (lengths - 1).clamp(min=0)
+        places = [staging.add(t) for t in (lengths, last, positions // per_row, positions % per_row)]
+        tables.append((width, places))
+        evicting = [row for row in index.tolist() if row in group.evictions]
+        olds = {row: group.evictions.pop(row) for row in evicting}
         if group.evictions:
             stray = sorted(group.evictions)
             raise HeapError(f"rows {stray} evicted but are not in this decode batch ({sorted(listed)})")
-        kinds: dict[tuple[int, ScoringPolicy | None], list[int]] = {}
-        for row, budget in zip(rows, state.budgets(group, torch.tensor(rows, dtype=torch.int64)).tolist()):
-            kinds.setdefault((budget, state.request_policy[row]), []).append(row)
-        evictions = [_evictions(state, group, kind, members, olds, device) for kind, members in kinds.items()]
-        state.counters.evictions += len(rows)
-        columns.append(
-            tuple(
-                group_tables.column(c, tuple(per_column[c] for per_column in evictions)) for c in range(group.columns)
-            )
-        )
-    ones = torch.ones(len(index), dtype=torch.int64)
+        members: dict[tuple[int, ScoringPolicy | None], list[int]] = {}
+        budgets = state.budgets(group, torch.tensor(evicting, dtype=torch.int64)).tolist()
+        for row, budget in zip(evicting, budgets):
+            members.setdefault((budget, state.request_policy[row]), []).append(row)
+        for (budget, policy), members_rows in members.items():
+            slots, score_slots = _old_entries(state, group, members_rows, olds)
+            kinds.append((g, budget, policy, staging.add(slots), staging.add(score_slots)))
+        state.counters.evictions += len(evicting)
+    policies = staging.policies(state, index)
+    at_indptr = staging.add(_indptr(torch.ones(len(index), dtype=torch.int64)))
+    get = staging.send(device)
+    for group, write in zip(state.groups, writes):
+        _apply_writes(group, write, get)
+    decode_tables = tuple(
+        _decode_tables(group, get(at_rows), get(at_batch), width, [get(p) for p in places], per_row)
+        for group, (width, places) in zip(state.groups, tables)
+    )
+    columns = tuple(tuple(t.column(c) for c in range(group.columns)) for group, t in zip(state.groups, decode_tables))
     return ForwardPlan(
-        _indptr(ones, device),
-        tuple(columns),
+        get(at_indptr),
+        columns,
         state.config.sink,
         state.config.window,
-        decode_tables=tuple(tables),
-        policy_groups=_policy_groups(state, index, device),
+        decode_tables=decode_tables,
+        evictions=tuple(Eviction(g, b, get(sl), get(sc), policy) for g, b, policy, sl, sc in kinds),
+        policy_groups=tuple(PolicyGroup(policy, get(r), get(m)) for policy, r, m in policies),
     )
 
 
-def _policy_groups(state: SparseState, index: torch.Tensor, device: torch.device | str) -> tuple[PolicyGroup, ...]:
-    """Every policy of the batch of request rows `index` with its requests, when some request has
-    its own (none otherwise)."""
+def _policy_members(state: SparseState, index: torch.Tensor) -> list[tuple[ScoringPolicy, torch.Tensor, torch.Tensor]]:
+    """Every policy of the batch of request rows `index` with its requests' places in the batch
+    and the same as a mask (host), when some request has a policy of its own (none otherwise)."""
     policies = [state.request_policy[row] for row in index.tolist()]
     if all(policy is None for policy in policies):
-        return ()
+        return []
     members: dict[ScoringPolicy, list[int]] = {}
     for place, policy in enumerate(policies):
         members.setdefault(policy or state.policy, []).append(place)
-    groups = []
+    out = []
     for policy, places in members.items():
         rows = torch.tensor(places, dtype=torch.int64)
         mask = torch.zeros(len(policies), dtype=torch.bool)
         mask[rows] = True
-        groups.append(PolicyGroup(policy, rows.to(device), mask.to(device)))
-    return tuple(groups)
+        out.append((policy, rows, mask))
+    return out
 
 
-def _evictions(
-    state: SparseState,
-    group: SparseGroup,
-    kind: tuple[int, ScoringPolicy | None],
-    rows: list[int],
-    olds: dict[int, torch.Tensor],
-    device: torch.device | str,
-) -> list[Eviction]:
-    """The `Eviction` of each column for these request rows of one (budget, policy) (their old
-    entries in `olds`, all as long: the budget's max_entries)."""
-    budget, policy = kind
-    old = torch.stack([olds[row] for row in rows]).permute(2, 0, 1).to(device)  # [columns, N, n_old]
+def _old_entries(
+    state: SparseState, group: SparseGroup, rows: list[int], olds: dict[int, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(old rows, their score slots), both host [columns, N, n_old], of these evicting request
+    rows (their old entries in `olds`, all as long: the budget's max_entries)."""
+    old = torch.stack([olds[row] for row in rows]).permute(2, 0, 1).contiguous()
     n_old = old.shape[2]
     positions = torch.arange(n_old).repeat(len(rows))
     slots = state.score_slots(group, torch.tensor(rows).repeat_interleave(n_old), positions)
-    old_scores = slots.T.reshape(group.columns, len(rows), n_old).to(device)
-    return [Eviction(budget, old[c], old_scores[c], policy) for c in range(group.columns)]
+    return old, slots.T.reshape(group.columns, len(rows), n_old).contiguous()
+
+
+def _apply_writes(
+    group: SparseGroup, write: tuple[int, int, int, int] | None, get: Callable[[int | None], torch.Tensor | None]
+) -> None:
+    """Bring the group's device tables up to date from the uploaded changes."""
+    if write is None:
+        return
+    entries, values, score_entries, score_values = (get(place) for place in write)
+    if entries.numel():
+        group.device_table.view(-1)[entries] = values.to(torch.int32)
+    if score_entries.numel():
+        group.device_scores.view(-1)[score_entries] = score_values.to(torch.int32)
 
 
 def _use_store(
@@ -370,42 +441,40 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return starts.repeat_interleave(lengths) + offsets
 
 
-def _indices(
-    state: SparseState, group: SparseGroup, index: torch.Tensor, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _indices(state: SparseState, group: SparseGroup, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [columns, total], score slots [columns, total]) of the requests' entries,
-    request-major."""
+    request-major (host)."""
     lengths = group.table.lengths[index]
     width = int(lengths.max()) if lengths.numel() else 0
     mask = torch.arange(width)[None, :] < lengths[:, None]
     entries = group.table.table[index, :width][mask]  # [total, columns]
     positions = torch.arange(width).expand(len(index), width)[mask]
     scores = state.score_slots(group, index.repeat_interleave(lengths), positions)
-    return entries.T.contiguous().to(device), scores.T.contiguous().to(device)
+    return entries.T.contiguous(), scores.T.contiguous()
 
 
 def _decode_tables(
-    state: SparseState, group: SparseGroup, index: torch.Tensor, device: torch.device | str
+    group: SparseGroup,
+    rows: torch.Tensor,
+    batch: torch.Tensor,
+    width: int,
+    uploaded: list[torch.Tensor],
+    per_row: int,
 ) -> DecodeTables:
-    """The group's decode tables for these requests, gathered on the device from its mirrored
-    tables (`SparseGroup.device_table`); only the rows and lengths travel, and W, the longest
-    row, is known on the host. Past a row's length: whatever the mirror holds there, slots
-    that were valid (the padding row when never written)."""
-    lengths = group.table.lengths[index]
-    width = int(lengths.max()) if lengths.numel() else 0
-    rows = index.to(device)
+    """The group's decode tables for the batch's request `rows` (device), gathered from its
+    device tables (`SparseGroup.device_table`); W, the longest row, is known on the host, and so
+    are the lengths, the newest entries' places and the score-slot arithmetic (`uploaded`).
+    Past a row's length: whatever the mirror holds there, slots that were valid (the padding row
+    when never written)."""
+    lengths, last, page_of, in_page = uploaded
     entries = group.device_table[rows, :width]  # [B, W, columns]
-    per_row = state.scores_per_row
-    positions = torch.arange(width, device=device)
-    pages = group.device_scores[rows][:, :, positions // per_row]  # [B, columns, W]
-    scores = (pages * per_row + positions % per_row).transpose(1, 2)  # [B, W, columns]
-    lengths = lengths.to(device, torch.int32)
-    last = (lengths.long() - 1).clamp(min=0)
-    batch = torch.arange(len(index), device=device)
+    pages = group.device_scores[rows][:, :, page_of]  # [B, columns, W]
+    scores = (pages * per_row + in_page).transpose(1, 2)  # [B, W, columns]
     return DecodeTables(lengths, entries, scores, entries[batch, last].T, scores[batch, last].T)
 
 
-def _indptr(lengths: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+def _indptr(lengths: torch.Tensor) -> torch.Tensor:
+    """[B+1] int64 boundaries of these lengths (host)."""
     out = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
     out[1:] = lengths.cumsum(0)
-    return out.to(device, torch.int32)
+    return out

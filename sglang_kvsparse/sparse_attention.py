@@ -8,17 +8,17 @@ references on the CPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from sglang_kvsparse import kernels
 from sglang_kvsparse.guide import PrefillGuide
 from sglang_kvsparse.kernels.common import positions_in_segment, segment_ids
-from sglang_kvsparse.layout import SparseSlot
-from sglang_kvsparse.planning import ColumnPlan, ForwardPlan, MixedPlan, PolicyGroup
+from sglang_kvsparse.layout import GroupSpec, HeapLayout, SparseSlot
+from sglang_kvsparse.planning import ColumnPlan, Eviction, ForwardPlan, MixedPlan, PolicyGroup, plan_decode
 from sglang_kvsparse.policies import PrefillScoringInputs, ScoringPolicy
-from sglang_kvsparse.sparse_state import LaneBuffers
+from sglang_kvsparse.sparse_state import LaneBuffers, SparseState
 
 
 def sparse_extend(
@@ -239,59 +239,64 @@ def _decode(
     )
 
 
-def evict_planned(
-    plan: ForwardPlan, slots: Iterable[SparseSlot], lanes: Sequence[LaneBuffers], policy: ScoringPolicy
+def prepare_decode(state: SparseState, rows: Sequence[int], device: torch.device | str) -> ForwardPlan:
+    """A decode step's plan (`planning.plan_decode`, from the host tables), its evictions already
+    run in every sparse layer: what the backend does once per step, before the layers."""
+    plan = plan_decode(state, rows, device)
+    evict_planned(plan, state.layout, state.lanes, state.policy)
+    return plan
+
+
+def evict_planned(plan: ForwardPlan, layout: HeapLayout, lanes: Sequence[LaneBuffers], policy: ScoringPolicy) -> None:
+    """Run a decode plan's evictions in every sparse layer, before any layer of the step runs:
+    each layer's eviction reads only its own lane's old entries and the scores earlier steps
+    accumulated, so doing them all first is what doing each one at its layer would be. Each
+    `Eviction` covers every layer of its group at once (`evict_group`), so a step issues a few
+    launches per (group, budget, policy) among its evicting requests, whatever the numbers of
+    layers and requests; and the step's only variable-shaped work stays out of a captured
+    decode graph."""
+    for eviction in plan.evictions:
+        spec = layout.groups[eviction.group]
+        evict_group(lanes, spec, eviction, plan.sink, plan.window, eviction.policy or policy)
+
+
+def evict_group(
+    lanes: Sequence[LaneBuffers], spec: GroupSpec, eviction: Eviction, sink: int, window: int, policy: ScoringPolicy
 ) -> None:
-    """Run a decode plan's evictions in every sparse layer (`slots`: the layers' places), before
-    any layer of the step runs: each layer's eviction reads only its own lane's old entries and
-    the scores earlier steps accumulated, so doing them all first is what doing each one at its
-    layer would be. Outside the layers, the step's variable-shaped work (how many rows evict)
-    stays out of a captured decode graph."""
-    for slot in slots:
-        for eviction in plan.column(slot).evictions:
-            evict(
-                lanes[slot.lane],
-                eviction.slots,
-                eviction.score_slots,
-                eviction.budget,
-                plan.sink,
-                plan.window,
-                eviction.policy or policy,
-            )
+    """Keep, per request, layer and KV head, the first `sink`, the last `window` and the
+    best-ranked rest of its old entries (`eviction.slots` [columns, N, n_old], position order;
+    their scores at `eviction.score_slots`, ranked by the policy's `eviction_scores`), up to the
+    budget, moved in position order into its first `budget` entries (K, V and stored scores, in
+    place). The old scores of every layer of the group are gathered and ranked together; then
+    each lane compacts its layers in one call."""
+    budget = eviction.budget
+    _, rows, n_old = eviction.slots.shape
+    on_lane = [(lane, spec.columns_on_lane(lane)) for lane in range(len(lanes))]
+    on_lane = [(lane, count) for lane, count in on_lane if count]
+    gathered = [lanes[lane].scores[eviction.score_slots[:count]] for lane, count in on_lane]  # [count, N, n_old, H]
+    scores = torch.cat(gathered) if len(gathered) > 1 else gathered[0]
+    layers, heads = scores.shape[0], scores.shape[-1]
+    indptr = torch.arange(layers * rows + 1, device=scores.device) * n_old
+    ranked = policy.eviction_scores(scores.reshape(-1, heads), indptr).reshape(layers * rows, n_old, heads)
+    kept = kernels.select_rows(ranked, budget, sink, window)  # [layers * N, budget, H]
+    first = 0
+    for lane, count in on_lane:
+        mine = kept[first * rows : (first + count) * rows].view(count, rows, budget, heads)
+        first += count
+        slots, score_slots = eviction.slots[:count], eviction.score_slots[:count]
 
+        def sources(table: torch.Tensor, mine: torch.Tensor = mine, count: int = count) -> torch.Tensor:
+            return torch.gather(table[..., None].expand(count, rows, n_old, heads), 2, mine).view(-1, heads)
 
-def evict(
-    buffers: LaneBuffers,
-    old_slots: torch.Tensor,
-    old_score_slots: torch.Tensor,
-    budget: int,
-    sink: int,
-    window: int,
-    policy: ScoringPolicy,
-) -> None:
-    """Keep, per row and KV head, the first `sink`, the last `window` and the best-ranked rest
-    of the row's old entries (`old_slots` [N, n_old], position order; their scores at
-    `old_score_slots`, ranked by the policy's `eviction_scores`), up to `budget`, moved in
-    position order into the row's first `budget` entries (K, V and stored scores, in place)."""
-    rows, n_old = old_slots.shape
-    old, old_scores = old_slots.long(), old_score_slots.long()
-    indptr = torch.arange(rows + 1, device=old.device, dtype=torch.int64) * n_old
-    scores = policy.eviction_scores(buffers.scores[old_scores.reshape(-1)], indptr)
-    kept, _ = kernels.select_kept(scores, indptr, budget, sink, window, max_len=n_old)  # [N, H_kv, budget]
-    heads = kept.shape[1]
-
-    def sources(slots: torch.Tensor) -> torch.Tensor:
-        return torch.gather(slots[:, None, :].expand(rows, heads, n_old), 2, kept).transpose(1, 2).reshape(-1, heads)
-
-    kernels.compact_kv(
-        buffers.k,
-        buffers.v,
-        buffers.scores,
-        sources(old),
-        old[:, :budget].reshape(-1),
-        score_src=sources(old_scores),
-        score_dst=old_scores[:, :budget].reshape(-1),
-    )
+        kernels.compact_kv(
+            lanes[lane].k,
+            lanes[lane].v,
+            lanes[lane].scores,
+            sources(slots),
+            slots[:, :, :budget].reshape(-1),
+            score_src=sources(score_slots),
+            score_dst=score_slots[:, :, :budget].reshape(-1),
+        )
 
 
 def sparse_mixed(

@@ -81,34 +81,61 @@ class SparseGroup:
     #: a request holds those of its own `max_entries`, the rest stay 0).
     score_table: torch.Tensor
     #: What the decode kernels read, on the lanes' device (int32): `table.table` and
-    #: `score_table`, written through wherever the host tables change what a reader sees (a new
-    #: request's rows, a page appended), so a step copies only those few entries to the device.
+    #: `score_table`, brought up to date by the next forward's plan wherever the host tables
+    #: changed what a reader sees (a new request's entries and score rows, a page appended), so a
+    #: step copies only those few entries, in the plan's one upload (`stale_entries`).
     device_table: torch.Tensor
     device_scores: torch.Tensor
     #: Request row -> its entries before this step's eviction, [its max_entries, columns].
     evictions: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: Host-table changes the device tables do not have yet: request rows whose entries and
+    #: score rows changed, and (request rows, first positions) of pages appended.
+    stale_rows: list[torch.Tensor] = field(default_factory=list)
+    stale_pages: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def mirror_rows(self, rows: torch.Tensor) -> None:
-        """Copy whole request rows (their entries and score rows) to the device tables."""
-        if rows.numel() == 0:  # a decode step: no new request, nothing to copy or launch
-            return
-        device = self.device_table.device
-        index = rows.to(device)
-        self.device_table[index] = self.table.table[rows].to(device, torch.int32)
-        self.device_scores[index] = self.score_table[rows].to(device, torch.int32)
+        """These request rows' entries and score rows changed (a prefill): the next plan copies them."""
+        if rows.numel():
+            self.stale_rows.append(rows.clone())
 
     def mirror_pages(self, rows: torch.Tensor, starts: torch.Tensor) -> None:
-        """Copy the page starting at position starts[i] of each request row rows[i]."""
-        if rows.numel() == 0:  # no row started a page this step
-            return
-        device = self.device_table.device
-        positions = starts[:, None] + torch.arange(self.table.page_size)
-        entries = self.table.table[rows[:, None], positions]  # [n, page, columns]
-        self.device_table[rows.to(device)[:, None], positions.to(device)] = entries.to(device, torch.int32)
+        """Request rows[i] got the page starting at position starts[i]: the next plan copies it."""
+        if rows.numel():
+            self.stale_pages.append((rows.clone(), starts.clone()))
+
+    def stale_entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(flat indices into `device_table`, their values, flat indices into `device_scores`,
+        their values), all host, from the host tables as they are now (a place changed twice is
+        copied once, at its last value); the pending changes are forgotten."""
+        table, page = self.table, self.table.page_size
+        width = table.capacity * self.columns
+        entry_parts = []
+        for rows in self.stale_rows:
+            lengths = (table.lengths[rows] + page - 1) // page * page
+            entry_parts.append(_row_spans(rows, lengths * self.columns, width))
+        for rows, starts in self.stale_pages:
+            first = rows * width + starts * self.columns
+            entry_parts.append((first[:, None] + torch.arange(page * self.columns)).reshape(-1))
+        entries = torch.cat(entry_parts).unique() if entry_parts else torch.empty(0, dtype=torch.int64)
+        scores = torch.empty(0, dtype=torch.int64)
+        if self.stale_rows:
+            score_width = self.score_table[0].numel()
+            rows = torch.cat(self.stale_rows).unique()
+            scores = (rows[:, None] * score_width + torch.arange(score_width)).reshape(-1)
+        self.stale_rows.clear()
+        self.stale_pages.clear()
+        return entries, table.table.view(-1)[entries], scores, self.score_table.view(-1)[scores]
 
     @property
     def columns(self) -> int:
         return len(self.spec.columns)
+
+
+def _row_spans(rows: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+    """Flat indices of the first counts[i] elements of row rows[i] of a [*, width] table."""
+    starts = (rows * width).repeat_interleave(counts)
+    offsets = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)
+    return starts + offsets
 
 
 @dataclass
@@ -122,6 +149,9 @@ class Counters:
     chunks_stored: int = 0  # prefill chunks before a prompt's last, kept whole in the store
     store_entries_adopted: int = 0  # store entries moved to the tree's id for the same token
     requests_running_peak: int = 0
+    #: Device values the sparse path read back (each a host wait on a GPU): request rows SGLang
+    #: gave a forward no host copy of.
+    host_syncs: int = 0
     #: Requests given rows, by their setting's label (`RequestSparsity.label`); a retracted
     #: request counts again when it is readmitted.
     requests_by_setting: dict[str, int] = field(default_factory=dict)
@@ -209,6 +239,8 @@ class SparseState:
         self.running[rows] = True
         self.partial[rows[prefilling]] = chunk[prefilling]
         self.counters.requests_running_peak = max(self.counters.requests_running_peak, self.requests_running())
+        if bool(new.any()):  # a prefill: the host may wait here, never in a decode step
+            self.heap.reserve(self.decode_reserve())
 
     def free(self, row: int) -> None:
         """Release the row in every group (a row that never got any is a no-op)."""
@@ -524,8 +556,9 @@ class SparseState:
         group.mirror_pages(growing, starts)
 
     def take(self, rows: int) -> torch.Tensor:
-        """`rows` heap rows for request entries, making room first; raises HeapExhausted (changing
-        nothing held) when even that leaves too few: admission promised more than the heap has."""
+        """`rows` heap rows (host) for request entries, making room first; raises HeapExhausted
+        (changing nothing held) when even that leaves too few: admission promised more than the
+        heap has."""
         self._make_room(rows)
         taken = self.heap.take(rows)
         if taken is None:
@@ -533,7 +566,23 @@ class SparseState:
                 f"the KV heap has {self.heap.free_rows()} free rows for {rows} sparse entries: "
                 f"admission let in more than fits ({self.describe_heap()})"
             )
-        return taken.to("cpu", torch.int64)
+        return taken
+
+    def decode_reserve(self) -> int:
+        """Heap rows the running requests may take in their coming decode steps before their own
+        evictions give rows back: per group and request, the pages from what it holds up to the
+        most it will hold (its `max_entries`, or its final length when shorter), and one more."""
+        running = self.running_rows()
+        page = self.page_size
+        total = 0
+        for group in self.groups:
+            rows = running[group.table.active[running]]
+            final = self.final_len[rows]
+            final = torch.where(final == 0, self.resolved.context_len, final)
+            most = torch.minimum(self.max_entries(group, rows), final)
+            pages = (most + page - 1) // page - (group.table.lengths[rows] + page - 1) // page
+            total += int((pages.clamp(min=0) + 1).sum()) * page * group.columns
+        return total
 
     def describe_heap(self) -> str:
         """Who holds the heap's rows, for an error message."""
@@ -564,7 +613,7 @@ class SparseState:
         self._make_room(rows)
         rows = min(rows, self.heap.free_rows()) // per_block * per_block
         taken = self.heap.take(rows) if rows else None
-        return torch.empty(0, dtype=torch.int64) if taken is None else taken.to("cpu", torch.int64)
+        return torch.empty(0, dtype=torch.int64) if taken is None else taken
 
     def _make_room(self, rows: int) -> None:
         """Free rows, then the prefix store's LRU blocks, then SGLang's radix tree."""

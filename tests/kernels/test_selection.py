@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sglang_kvsparse.kernels import best_places, pool_scores, select_kept, spread_scores
+from sglang_kvsparse.kernels import best_places, pool_scores, select_kept, select_rows, spread_scores
 from sglang_kvsparse.kernels.testing import indptr_from_lens
 
 LENS = [1, 7, 30, 4, 19]
@@ -181,3 +181,34 @@ def test_a_request_keeps_the_same_alone_or_in_any_batch_even_with_tied_scores():
 def test_select_rejects_protected_over_budget():
     with pytest.raises(ValueError):
         select_kept(torch.zeros(10, 1), indptr_from_lens([10], "cpu"), budget=4, sink=2, window=3)
+
+
+@pytest.mark.parametrize("budget, sink, window", [(8, 1, 2), (5, 0, 0), (12, 4, 8), (20, 2, 3)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_select_rows_matches_naive_and_select_kept(budget, sink, window, ties):
+    """A decode eviction's rows (all of one length), many at once: what each keeps alone."""
+    torch.manual_seed(budget + ties)
+    rows, n, heads = 9, 20, 3
+    scores = torch.randint(0, 3, (rows, n, heads)).float() if ties else torch.randn(rows, n, heads)
+    kept = select_rows(scores, budget, sink, window)
+    assert kept.shape == (rows, budget, heads) and kept.dtype == torch.int64
+    flat, lens = scores.reshape(-1, heads), [n] * rows
+    want = naive_select(flat, lens, budget, sink, window)
+    for r in range(rows):
+        for h in range(heads):
+            got = kept[r, :, h].tolist()
+            if not ties:
+                assert got == want[r][h], (r, h)
+            # Of equal scores the earlier positions: exactly `select_kept`'s choice.
+            protected = set(range(sink)) | set(range(n - window, n))
+            rest = sorted(set(range(n)) - protected, key=lambda i: (-float(scores[r, i, h]), i))
+            assert got == sorted(protected | set(rest[: budget - len(protected)])), (r, h)
+    reference, _ = select_kept(flat, indptr_from_lens(lens, "cpu"), budget, sink, window)
+    assert torch.equal(kept.transpose(1, 2), reference)
+
+
+def test_select_rows_rejects_a_budget_it_cannot_keep():
+    with pytest.raises(ValueError, match="budget"):
+        select_rows(torch.zeros(2, 10, 1), 3, 2, 2)
+    with pytest.raises(ValueError, match="row length"):
+        select_rows(torch.zeros(2, 10, 1), 11, 0, 0)

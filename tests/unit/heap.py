@@ -59,6 +59,9 @@ class FreeList:
     def free_rows(self) -> int:
         return len(self.free) * self.page_size
 
+    def reserve(self, rows: int) -> None:
+        return None  # one free list, on the host: nothing to move
+
     def sglang_alloc(self, tokens: int) -> torch.Tensor:
         """SGLang's own allocation of full-pool ids (no reclaim: tests make room themselves)."""
         rows = self.take(tokens)
@@ -127,9 +130,13 @@ def grow(state: SparseState, rows, lengths) -> None:
 
 
 def assert_device_tables_mirror_the_host(state):
-    """What the decode kernels read (the device tables) is what the host tables hold, for every
-    live entry and score row of every active request."""
+    """What the decode kernels read (the device tables, with the changes the next plan uploads
+    applied) is what the host tables hold, for every live entry and score row of every active
+    request."""
     for group in state.groups:
+        entries, values, score_entries, score_values = group.stale_entries()
+        group.device_table.view(-1)[entries] = values.to(torch.int32)
+        group.device_scores.view(-1)[score_entries] = score_values.to(torch.int32)
         for row in group.table.active_rows().tolist():
             n = group.table.length(row)
             assert torch.equal(group.device_table[row, :n].long(), group.table.table[row, :n]), row
@@ -192,11 +199,11 @@ def decode_lifecycle(
             continue
         grow(state, rows, [lengths[row] + 1 for row in rows])
         plan = plan_decode(state, rows, device)
-        evicting += any(column.evictions for group in plan.columns for column in group)
+        evicting += bool(plan.evictions)
         q, k, v = inputs(len(rows))
         positions = torch.tensor([lengths[row] for row in rows], device=device)
         with guard():
-            evict_planned(plan, state.layout.sparse_slots.values(), state.lanes, state.policy)
+            evict_planned(plan, state.layout, state.lanes, state.policy)
             out = decode(state, plan, q, k, v, positions)
         outputs.append(out.cpu())
         state.finish_forward()

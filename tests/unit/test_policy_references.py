@@ -188,8 +188,8 @@ def test_policy_keeps_what_its_float64_computation_keeps(name, prompt):
         held, before = row.held(keys)
         grow(row.state, [1], [position + 1])
         plan = plan_decode(row.state, [1])
-        evicting = bool(plan.column(row.slot).evictions)
-        evict_planned(plan, [row.slot], row.state.lanes, policy)
+        evicting = bool(plan.evictions)
+        evict_planned(plan, row.state.layout, row.state.lanes, policy)
         sparse_decode(
             q[position : position + 1],
             keys[position : position + 1],

@@ -101,7 +101,7 @@ def forward_prefill(state, rows, lengths):
 
 def forward_decode(state, rows, positions):
     plan = plan_decode(state, rows)
-    evict_planned(plan, state.layout.sparse_slots.values(), state.lanes, state.policy)
+    evict_planned(plan, state.layout, state.lanes, state.policy)
     n = len(rows)
     q, k, v = torch.randn(n, H_KV * G, D), torch.randn(n, H_KV, D), torch.randn(n, H_KV, D)
     for slot in state.layout.sparse_slots.values():
@@ -135,11 +135,11 @@ def test_requests_with_different_settings_in_one_batch_each_keep_their_own():
         decoding = [row for row in rows if lengths[row] < (30 if row == 3 else 40)]
         grow(state, decoding, [lengths[row] + 1 for row in decoding])
         plan = forward_decode(state, decoding, torch.tensor([lengths[row] for row in decoding]))
-        evictions = plan.column(state.layout.sparse_slots[1]).evictions
+        evictions = plan.evictions
         if step < 16:  # rows 1 and 2 fill up to 24 and 28 entries, row 3 holds all it has
             assert not evictions
         else:  # both evict in the same step, each back to its own budget
-            assert sorted((e.budget, e.slots.shape[1]) for e in evictions) == [(8, 24), (12, 28)]
+            assert sorted((e.budget, e.slots.shape[2]) for e in evictions) == [(8, 24), (12, 28)]
         for row in decoding:
             lengths[row] += 1
         if lengths[3] == 30 and state.running[3]:
@@ -181,7 +181,7 @@ def run_requests(state, rows, settings, prompts, steps):
     for t in range(len(steps[0][0])):
         grow(state, rows, [n + t + 1 for n in lengths])
         plan = plan_decode(state, rows)
-        evict_planned(plan, state.layout.sparse_slots.values(), state.lanes, state.policy)
+        evict_planned(plan, state.layout, state.lanes, state.policy)
         q, k, v = (torch.stack([step[i][t] for step in steps]) for i in range(3))
         positions = torch.tensor([n + t for n in lengths])
         for slot in state.layout.sparse_slots.values():

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from sglang_kvsparse import kernels
 from sglang_kvsparse.planning import plan_decode, plan_extend
 from sglang_kvsparse.policies import PrefillScoringInputs
+from sglang_kvsparse.request_sparsity import SERVER_SETTING, RequestSparsity
 from sglang_kvsparse.row_table import HeapError, HeapExhausted
 from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
 from sglang_kvsparse.stats import collect
@@ -83,6 +84,61 @@ def test_refuses_jumps_and_exhaustion_without_partial_state():
     assert not state.groups[0].table.is_active(3) and heap.free_rows() == 19 and not state.running[3]
 
 
+def test_a_step_evicts_every_layer_on_every_lane_as_each_layer_alone_would():
+    """Two lanes (layers 0 and 1 full), five sparse layers in three columns (the last on lane 0
+    only), requests at two budgets evicting in the same step: one `Eviction` per budget covers
+    every layer, and each layer, request and KV head keeps its sink, its window and its
+    best-scored rest (of equal scores the earlier), moved with their scores into its first rows."""
+    torch.manual_seed(3)
+    window, evict_page = 2, 4
+    state, _ = make_state(
+        num_layers=7,
+        full_layers=(0, 1),
+        budget=8,
+        window=window,
+        evict_page=evict_page,
+        rows=1024,
+        max_request_budget=12,
+    )
+    assert [len(column.layers) for column in state.groups[0].spec.columns] == [2, 2, 1]
+    rows, budgets = [1, 2, 3], {1: 8, 2: 8, 3: 12}
+    state.expect(rows, [60] * 3, None, [SERVER_SETTING, SERVER_SETTING, RequestSparsity(budget=12)])
+    lengths = [20, 20, 20]
+    grow(state, rows, lengths)
+    for _ in range(evict_page):  # every row grows to its budget + evict_page
+        lengths = [n + 1 for n in lengths]
+        grow(state, rows, lengths)
+        assert not plan_decode(state, rows).evictions
+        state.finish_forward()
+    before = {}
+    for layer in state.layout.sparse_slots:
+        lane, _ = lane_of(state, layer)
+        for row in rows:
+            old = entries(state, row, layer)
+            slots = score_slots(state, row, layer, old.numel())
+            lane.k[old] = torch.randn(old.numel(), H_KV, D)
+            lane.v[old] = torch.randn(old.numel(), H_KV, D)
+            lane.scores[slots] = torch.randint(0, 4, (old.numel(), H_KV)).float()  # many ties
+            before[layer, row] = (old, lane.k[old].clone(), lane.v[old].clone(), lane.scores[slots].clone())
+    grow(state, rows, [n + 1 for n in lengths])
+    plan = plan_decode(state, rows)
+    assert sorted((e.budget, tuple(e.slots.shape)) for e in plan.evictions) == [(8, (3, 2, 12)), (12, (3, 1, 16))]
+    evict_planned(plan, state.layout, state.lanes, state.policy)
+    sink = state.config.sink
+    for (layer, row), (old, k_old, v_old, s_old) in before.items():
+        lane, _ = lane_of(state, layer)
+        budget, n_old = budgets[row], old.numel()
+        kept = entries(state, row, layer)[:budget]
+        assert torch.equal(kept, old[:budget])  # the row's first rows, in place
+        for h in range(H_KV):
+            rest = sorted(range(sink, n_old - window), key=lambda p: (-float(s_old[p, h]), p))
+            expected = sorted([*range(sink), *range(n_old - window, n_old), *rest[: budget - sink - window]])
+            assert torch.equal(lane.k[kept, h], k_old[expected, h]), (layer, row, h)
+            assert torch.equal(lane.v[kept, h], v_old[expected, h]), (layer, row, h)
+            assert torch.equal(lane.scores[score_slots(state, row, layer, budget), h], s_old[expected, h])
+    state.finish_forward()
+
+
 def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries():
     torch.manual_seed(2)
     budget, sink, window, evict_page = 8, 1, 2, 4
@@ -110,10 +166,10 @@ def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries
     assert heap.free_rows() == free_before - 2 * 3 and state.deferred_rows() == evict_page * 3
     plan = plan_decode(state, [1, 2])
     column = plan.column(slot)
-    (eviction,) = column.evictions
-    assert eviction.budget == budget and eviction.slots.shape == (1, budget + evict_page)
+    (eviction,) = plan.evictions
+    assert eviction.budget == budget and eviction.slots.shape == (3, 1, budget + evict_page)
     qd, kd, vd = torch.randn(2, H_KV * G, D), torch.randn(2, H_KV, D), torch.randn(2, H_KV, D)
-    evict_planned(plan, state.layout.sparse_slots.values(), state.lanes, state.policy)
+    evict_planned(plan, state.layout, state.lanes, state.policy)
     od = sparse_decode(qd, kd, vd, 0.3, plan, column, lane, state.policy, torch.tensor([24, 7]))
     state.finish_forward()
     assert heap.free_rows() == free_before - 2 * 3 + evict_page * 3
