@@ -1,33 +1,35 @@
-"""What needs a GPU to check, checked and timed in one run (for a lent device; issue 12).
+"""What needs a GPU to check, checked and timed in one command from a plain checkout (a lent GPU).
 
-  python bench/gpu_check.py [--out-dir DIR]      # on a CUDA machine, about 8 minutes
+  python bench/gpu_check.py [--out-dir DIR]      # on a CUDA machine: under 8 minutes, at most 8 files
   python bench/gpu_check.py --dry-run            # the same steps on a CPU at tiny sizes
 
-Steps, each timed; a failing step is recorded and the run goes on:
-  kernels   ``bench/kernels.py``: every Triton kernel against its torch reference at full sizes,
-            then timed beside SGLang's kernels (its own JSON and markdown in the same folder).
-  no-sync   300 steps of the sparse decode path (evictions, stores, attention with scores) on the
-            device under ``torch.cuda.set_sync_debug_mode("error")``: any device-to-host
-            synchronisation raises. (CPU: the guard of ``tests/unit/host_sync.py``.)
-  graph     the same decode step captured once in a ``torch.cuda.CUDAGraph`` over the fixed
-            buffers of ``decode_graph.DecodeBuffers`` and replayed for 300 steps in which
-            requests join, evict and finish, against the eager step on a twin state: outputs
-            compared, and the median step time of both. (CPU: the buffers without a graph.)
-  serving   ``bench/serving.py --profile gpu-check-serving``: the Llama-3.1-8B shape with dummy weights,
-            5,000 in / 500 out at concurrency 8 and 32, stock SGLang (its default backend, CUDA
-            graphs on) against the project (SGLang's default backend in the full layers, sparse
-            layers with a budget of 1,024; CUDA graphs not wired yet). (CPU: its dry run.)
-  serving-tp2  the same at ``--tp-size 2`` for both systems (``gpu-check-serving-tp2``): needs two
-            GPUs, and is recorded as skipped, with the reason, on one. (CPU: its dry run, two
-            ranks of the dry-run model, which has two KV heads.)
+It needs torch and Triton only: no SGLang and no install (`common/checkout.py` maps the package
+names onto the checkout's folders). Steps, each with a time limit; a failing step is recorded and
+the run goes on:
+  kernels    ``bench/kernels.py``: every Triton kernel against its torch reference at full sizes,
+             then timed (beside SGLang's kernels where SGLang imports); its own JSON and markdown.
+  step-cost  ``bench/step_cost.py --device cuda``: launches and host syncs the sparse machinery
+             adds per decode step at Llama-3.1-8B's KV shape, batches 1, 8 and 64, every counted
+             step under ``torch.cuda.set_sync_debug_mode("error")``; its own JSON, markdown and PNG.
+             (CPU: the simulated device at a small shape.)
+  graph      the sparse decode step captured once in a ``torch.cuda.CUDAGraph`` over the fixed
+             buffers of ``decode_graph.DecodeBuffers`` and replayed for 300 steps in which requests
+             join, evict and finish, against the eager step on a twin state: outputs compared, and
+             the median step time of both. (CPU: the buffers without a graph.)
+  serving    ``bench/serving.py --profile gpu-check-serving`` (the Llama-3.1-8B shape with dummy
+             weights, stock SGLang against the project), only where SGLang imports: recorded as
+             skipped, with the reason, where it does not.
 
-Writes ``<out-dir>/gpu-check-<date>[-dry-run].json`` and ``.md``, the device named in both.
+Writes ``<out-dir>/gpu-check-<date>[-dry-run].json`` and ``.md``, the device named in both: with
+the kernels' and the step cost's reports, seven files.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -35,25 +37,24 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from common.checkout import ROOT, importable
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+importable()
 
 from sglang_kvsparse.decode_graph import DecodeBuffers  # noqa: E402
 from sglang_kvsparse.sparse_state import SparseState  # noqa: E402
 from tests.unit.heap import decode_lifecycle, eager_decode, make_state  # noqa: E402
-from tests.unit.host_sync import no_host_sync  # noqa: E402
 
 STEPS = 300
 GRAPH_BS = 6
 SERVING_PROFILE = "gpu-check-serving"
-SERVING_TP2_PROFILE = "gpu-check-serving-tp2"
-STEP_NAMES = ("kernels", "no-sync", "graph", "serving", "serving-tp2")
+STEP_NAMES = ("kernels", "step-cost", "graph", "serving")
+#: Each subprocess step's limit in seconds: together under 8 minutes with the graph step.
+LIMITS = {"kernels": 200, "step-cost": 180, "serving": 900}
 
 
 def say(message: str) -> None:
@@ -66,22 +67,6 @@ def lifecycle_state(device: str) -> SparseState:
         num_layers=4, full_layers=(0,), budget=8, evict_page=4, rows=4096, max_requests=8, context=4096, device=device
     )
     return state
-
-
-@contextmanager
-def cuda_sync_errors():
-    """Any device-to-host synchronisation in the block raises (CUDA's own sync debug mode)."""
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
-def check_no_sync(device: str) -> dict[str, Any]:
-    guard: Callable[[], AbstractContextManager] = cuda_sync_errors if device == "cuda" else no_host_sync
-    outputs, evicting = decode_lifecycle(lifecycle_state(device), STEPS, guard=guard)
-    return {"decode_steps": len(outputs), "steps_with_evictions": evicting, "ok": evicting > 0}
 
 
 class GraphDecode:
@@ -161,19 +146,46 @@ def check_graph(device: str) -> dict[str, Any]:
 
 def run_script(args: list[str], timeout_s: int) -> dict[str, Any]:
     """Run one of the bench scripts; its own reports land in the same folder."""
-    run = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    try:
+        run = subprocess.run(
+            [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        tail = ((exc.stdout or b"").decode() + (exc.stderr or b"").decode()).strip().splitlines()[-15:]
+        return {"command": " ".join(args), "timed_out_after_s": timeout_s, "output_tail": tail, "ok": False}
     tail = (run.stdout + run.stderr).strip().splitlines()[-15:]
     return {"command": " ".join(args), "returncode": run.returncode, "output_tail": tail, "ok": run.returncode == 0}
 
 
 def check_kernels(out_dir: Path, dry_run: bool) -> dict[str, Any]:
-    return run_script(["bench/kernels.py", "--out-dir", str(out_dir), *(["--dry-run"] if dry_run else [])], 900)
+    args = ["bench/kernels.py", "--out-dir", str(out_dir), *(["--dry-run"] if dry_run else [])]
+    return run_script(args, LIMITS["kernels"])
 
 
-def check_serving(out_dir: Path, dry_run: bool, profile: str = SERVING_PROFILE) -> dict[str, Any]:
-    args = ["bench/serving.py", "--profile", profile, "--out-dir", str(out_dir)]
-    result = run_script([*args, *(["--dry-run"] if dry_run else [])], 1500)
-    name = f"{profile}-dry-run" if dry_run else profile
+def check_step_cost(out_dir: Path, dry_run: bool) -> dict[str, Any]:
+    args = ["bench/step_cost.py", "--out-dir", str(out_dir), "--batches", "1,8,64", "--steps", "32"]
+    args += ["--device", "sim", "--small"] if dry_run else ["--device", "cuda", "--sync-debug"]
+    result = run_script(args, LIMITS["step-cost"])
+    reports = sorted(out_dir.glob("step-cost-*.json"))
+    if reports:
+        runs = json.loads(reports[-1].read_text())["runs"]
+        result["per_layer"] = {
+            run["batch"]: {
+                "all_steps": round(run["all_steps"]["launches_per_layer_mean"], 2),
+                "eviction_steps": round(run["eviction_steps"].get("launches_per_layer_mean", 0.0), 2),
+                "syncs_per_step": run["all_steps"]["syncs_mean"],
+            }
+            for run in runs
+        }
+    return result
+
+
+def check_serving(out_dir: Path, dry_run: bool) -> dict[str, Any]:
+    if importlib.util.find_spec("sglang") is None:
+        return {"ok": True, "skipped": "SGLang is not installed here (serving needs it, the other steps do not)"}
+    args = ["bench/serving.py", "--profile", SERVING_PROFILE, "--out-dir", str(out_dir)]
+    result = run_script([*args, *(["--dry-run"] if dry_run else [])], LIMITS["serving"])
+    name = f"{SERVING_PROFILE}-dry-run" if dry_run else SERVING_PROFILE
     reports = sorted(out_dir.glob(f"{name}-[0-9]*.json"))
     if reports:
         systems = json.loads(reports[-1].read_text())["systems"]
@@ -185,17 +197,16 @@ def check_serving(out_dir: Path, dry_run: bool, profile: str = SERVING_PROFILE) 
     return result
 
 
-def check_serving_tp2(out_dir: Path, dry_run: bool) -> dict[str, Any]:
-    """`check_serving` at --tp-size 2, where two GPUs (or the CPU dry run) allow it."""
-    gpus = torch.cuda.device_count()
-    if not dry_run and gpus < 2:
-        return {"ok": True, "skipped": f"--tp-size 2 needs two GPUs, this machine has {gpus}"}
-    return check_serving(out_dir, dry_run, SERVING_TP2_PROFILE)
-
-
 def _summary(run: dict[str, Any]) -> dict[str, Any]:
     keys = ("concurrency", "completed", "output_tok_s", "itl_median_ms", "ttft_median_ms", "peak_running")
     return {key: run.get(key) for key in keys}
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.import_module(package).__version__
+    except ImportError:
+        return None
 
 
 def device_name(device: str) -> str:
@@ -240,14 +251,14 @@ def main(argv: list[str] | None = None) -> int:
         "device": device_name(device),
         "dry_run": args.dry_run,
         "torch": torch.__version__,
+        "triton": _version("triton"),
         "steps": {},
     }
     steps: dict[str, Callable[[], dict[str, Any]]] = {
         "kernels": lambda: check_kernels(args.out_dir, args.dry_run),
-        "no-sync": lambda: check_no_sync(device),
+        "step-cost": lambda: check_step_cost(args.out_dir, args.dry_run),
         "graph": lambda: check_graph(device),
         "serving": lambda: check_serving(args.out_dir, args.dry_run),
-        "serving-tp2": lambda: check_serving_tp2(args.out_dir, args.dry_run),
     }
     chosen = args.steps.split(",")
     unknown = set(chosen) - set(steps)

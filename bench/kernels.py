@@ -39,6 +39,9 @@ if not torch.cuda.is_available():  # must precede the first triton import
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import triton  # noqa: E402
+from common.checkout import importable  # noqa: E402
+
+importable()
 
 from sglang_kvsparse.config import PRESETS  # noqa: E402
 from sglang_kvsparse.kernels import (  # noqa: E402

@@ -30,29 +30,24 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.common.checkout import importable  # noqa: E402
+from common.checkout import ROOT, importable
 
 importable()
 
-from bench.common.device_cost import (  # noqa: E402
-    DeviceCost,
-    SimDevice,
-    count_kernels,
-    count_triton_launches,
-)
-from bench.common.report import ReportPaths, write_json  # noqa: E402
+from common.device_cost import DeviceCost, SimDevice, count_kernels, count_triton_launches  # noqa: E402
+from common.report import ReportPaths, write_json  # noqa: E402
+
 from sglang_kvsparse import kernels  # noqa: E402
-from sglang_kvsparse.config import PRESETS  # noqa: E402
+from sglang_kvsparse.config import PRESETS, SparsityConfig  # noqa: E402
+from sglang_kvsparse.device_copy import upload  # noqa: E402
+from sglang_kvsparse.layout import HeapLayout, scores_per_row  # noqa: E402
 from sglang_kvsparse.patches.allocator import attach, make_heap  # noqa: E402
 from sglang_kvsparse.planning import plan_decode, plan_extend  # noqa: E402
 from sglang_kvsparse.sentences import SentenceMarks  # noqa: E402
@@ -60,6 +55,16 @@ from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode  # noq
 from sglang_kvsparse.sparse_state import LaneBuffers, SparseState  # noqa: E402
 
 SECTIONS = ("allocation", "planning", "eviction", "layers", "release")
+#: A dry run's model and configuration (`--small`; the unit tests run it too).
+SMALL_SHAPE = {
+    "num_hidden_layers": 6,
+    "num_key_value_heads": 2,
+    "num_attention_heads": 4,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+    "vocab_size": 500,
+}
+SMALL_CONFIG = SparsityConfig(full_layers=(0, 1), budget=40, window=4, evict_page=8)
 BATCHES = (1, 8, 64, 128)
 MODEL = ROOT / "bench" / "models" / "llama-3.1-8b" / "config.json"
 
@@ -120,26 +125,30 @@ class Run:
 
 
 class Harness:
-    """A sparse state at the model's KV shape on a simulated (or real) device, driven through
-    the same calls as the server makes for a decode step."""
+    """A sparse state at a model's KV shape (`shape`: its config.json fields) and a sparsity
+    `config`, on a simulated (or real) device, driven through the calls the server makes for a
+    decode step. Requests' prompts are above the budget (compressed at prefill) and they decode a
+    tenth to two fifths of a budget's tokens."""
 
-    def __init__(self, cost: DeviceCost, device: torch.device, batch: int, seed: int) -> None:
-        shape = json.loads(MODEL.read_text())
+    def __init__(
+        self, cost: DeviceCost, device: torch.device, batch: int, seed: int, shape: dict, config: SparsityConfig
+    ) -> None:
         self.cost, self.device, self.batch = cost, device, batch
-        self.layers, self.kv_heads = shape["num_hidden_layers"], shape["num_key_value_heads"]
-        self.q_heads, self.head_dim = shape["num_attention_heads"], shape["head_dim"]
-        self.config = PRESETS["default"]
-        resolved = self.config.resolve(self.layers, shape["max_position_embeddings"])
-        lanes = max(len(resolved.full_layers), 1)
-        self.max_requests = batch + 2
-        per_request = (2 * 1040 + 64) * len(resolved.sparse_layers) // lanes + 6000
+        self.kv_heads, self.q_heads, self.head_dim = (
+            shape["num_key_value_heads"],
+            shape["num_attention_heads"],
+            shape["head_dim"],
+        )
+        self.budget = config.budget
+        resolved = config.resolve(shape["num_hidden_layers"], shape["max_position_embeddings"])
+        layout = HeapLayout.from_resolved(resolved, scores_per_row(self.head_dim, 2))
+        longest_prompt = 3 * self.budget
+        per_request = layout.rows_held(longest_prompt + self.budget) + longest_prompt * layout.num_columns
         self.rows = per_request * (batch + 1)
+        self.max_requests = batch + 2
         self.allocator = TokenAllocatorModel(self.rows, device)
         heap = make_heap(self.allocator)
-        lane_buffers = [
-            LaneBuffers.over(self._kv(self.rows + 1, self.kv_heads), self._kv(self.rows + 1, self.kv_heads))
-            for _ in range(lanes)
-        ]
+        lane_buffers = [LaneBuffers.over(self._kv(self.rows + 1), self._kv(self.rows + 1)) for _ in range(layout.lanes)]
         self.state = SparseState(
             resolved,
             heap=heap,
@@ -157,10 +166,10 @@ class Harness:
         self.free_rows = list(range(self.max_requests - 1, 0, -1))
         self.vocab = shape["vocab_size"]
 
-    def _kv(self, rows: int, heads: int) -> torch.Tensor:
+    def _kv(self, rows: int) -> torch.Tensor:
         if self.device.type == "cuda":
-            return torch.zeros(rows, heads, self.head_dim, dtype=torch.bfloat16, device=self.device)
-        return SimDevice.shapes_only(rows, heads, self.head_dim, dtype=torch.bfloat16)
+            return torch.zeros(rows, self.kv_heads, self.head_dim, dtype=torch.bfloat16, device=self.device)
+        return SimDevice.shapes_only(rows, self.kv_heads, self.head_dim, dtype=torch.bfloat16)
 
     def _random(self, *shape: int) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -168,14 +177,14 @@ class Harness:
         return SimDevice.shapes_only(*shape, dtype=torch.bfloat16)
 
     def _tokens(self, n: int) -> torch.Tensor:
-        return torch.randint(0, self.vocab, (n,), generator=self.gen).to(self.device)
+        return upload([torch.randint(0, self.vocab, (n,), generator=self.gen)], self.device)[0]
 
     # -- requests ------------------------------------------------------------------------------
     def join(self) -> None:
         """A new request's prefill (uncounted): a prompt above the budget, compressed to it."""
         row = self.free_rows.pop()
-        prompt = int(torch.randint(1100, 3000, (1,), generator=self.gen))
-        final = prompt + int(torch.randint(100, 400, (1,), generator=self.gen))
+        prompt = int(torch.randint(self.budget + self.budget // 8, 3 * self.budget, (1,), generator=self.gen))
+        final = prompt + int(torch.randint(self.budget // 10, 2 * self.budget // 5, (1,), generator=self.gen))
         ids = self.allocator.alloc(prompt)
         self.state.expect([row], [final])
         self.state.alloc_to_lengths(
@@ -221,7 +230,7 @@ class Harness:
             self._random(len(rows), self.kv_heads, self.head_dim),
             self._random(len(rows), self.kv_heads, self.head_dim),
         )
-        positions = lengths.to(self.device)
+        (positions,) = upload([lengths], self.device)
         with timed("layers"):
             for slot in state.layout.sparse_slots.values():
                 column = plan.column(slot)
@@ -258,8 +267,21 @@ class _Section:
         self.cost.section = "harness"
 
 
-def measure(batch: int, steps: int, device: torch.device, seed: int) -> Run:
-    """Warm up until `batch` requests decode with staggered rows, then count `steps` steps."""
+def measure(
+    batch: int,
+    steps: int,
+    device: torch.device,
+    seed: int,
+    shape: dict | None = None,
+    config: SparsityConfig | None = None,
+    *,
+    sync_debug: bool = False,
+) -> Run:
+    """Warm up until `batch` requests decode with staggered rows, then count `steps` steps (at
+    Llama-3.1-8B's shape and the default preset unless given). `sync_debug` (CUDA): each counted
+    step under `torch.cuda.set_sync_debug_mode("error")`, so a real sync raises."""
+    shape = shape or json.loads(MODEL.read_text())
+    config = config or PRESETS["default"]
     simulated = device.type != "cuda"
     cost = DeviceCost(simulated=simulated)
     restores = [
@@ -269,20 +291,33 @@ def measure(batch: int, steps: int, device: torch.device, seed: int) -> Run:
     run = Run(batch)
     try:
         with cost:
-            harness = Harness(cost, device, batch, seed)
-            joins_per_step = max(1, -(-batch // 16))
-            for _ in range(24):  # requests join over more than one eviction cycle
+            harness = Harness(cost, device, batch, seed, shape, config)
+            joins_per_step = max(1, -(-batch // config.evict_page))
+            for _ in range(config.evict_page + 8):  # requests join over more than one eviction cycle
                 for _ in range(min(joins_per_step, batch - len(harness.running))):
                     harness.join()
                 harness.step()
             for _ in range(steps):
                 while len(harness.running) < batch:
                     harness.join()
-                run.steps.append(harness.step())
+                with _sync_errors(sync_debug):
+                    run.steps.append(harness.step())
     finally:
         for restore in restores:
             restore()
     return run
+
+
+@contextmanager
+def _sync_errors(enabled: bool) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def summarize(run: Run, sparse_layers: int) -> dict[str, Any]:
@@ -403,8 +438,13 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """Launches per layer against the batch (False where matplotlib is not installed: a lent
+    GPU's image may lack it; the JSON and markdown carry the same numbers)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -429,6 +469,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def main() -> None:
@@ -439,16 +480,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--before", type=Path, help="an earlier run's JSON, shown beside")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
-    parser.add_argument("--stem", help="file name stem (default step-cost-<date>[-cuda])")
+    parser.add_argument("--stem", help="file name stem (default step-cost-<date>[-small][-cuda])")
+    parser.add_argument("--small", action="store_true", help="a 6-layer model at budget 40 (a dry run)")
+    parser.add_argument(
+        "--sync-debug", action="store_true", help="CUDA: every counted step under set_sync_debug_mode('error')"
+    )
     args = parser.parse_args()
     device = SimDevice.device if args.device == "sim" else torch.device("cuda")
-    shape = json.loads(MODEL.read_text())
-    config = PRESETS["default"]
+    shape, config = (SMALL_SHAPE, SMALL_CONFIG) if args.small else (json.loads(MODEL.read_text()), PRESETS["default"])
     sparse_layers = shape["num_hidden_layers"] - len(config.full_layers)
     runs = []
     for batch in (int(b) for b in args.batches.split(",")):
         started = time.perf_counter()
-        run = measure(batch, args.steps, device, args.seed)
+        run = measure(batch, args.steps, device, args.seed, shape, config, sync_debug=args.sync_debug)
         runs.append(summarize(run, sparse_layers))
         print(
             f"[step-cost] batch {batch}: {runs[-1]['all_steps']['launches_per_layer_mean']:.2f} launches/layer, "
@@ -472,12 +516,16 @@ def main() -> None:
         "runs": runs,
         "before": json.loads(args.before.read_text()) if args.before else None,
     }
-    stem = args.stem or f"step-cost-{report['date']}" + ("-cuda" if device.type == "cuda" else "")
+    stem = args.stem or f"step-cost-{report['date']}" + ("-small" if args.small else "")
+    stem += "-cuda" if device.type == "cuda" and not args.stem else ""
     paths = ReportPaths(args.out_dir, stem)
     write_json(paths, report)
     paths.markdown.write_text(markdown(report))
-    plot(report, paths.png)
-    print(f"[step-cost] wrote {paths.json}, {paths.markdown}, {paths.png}")
+    plotted = plot(report, paths.png)
+    print(
+        f"[step-cost] wrote {paths.json}, {paths.markdown}"
+        + (f", {paths.png}" if plotted else " (no matplotlib: no plot)")
+    )
 
 
 if __name__ == "__main__":

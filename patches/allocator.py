@@ -9,7 +9,9 @@ hooks it already calls on every allocator:
 * `available_size` counts the prefix store's reclaimable rows and the host's free rows as free, and
   every `alloc*` reclaims store rows and lends host rows to SGLang's own free list before it hands
   out ids, so the store borrows memory without SGLang knowing;
-* `free` of SGLang's ids drops their prefix-store entries (the tree no longer holds the token);
+* `free` of SGLang's ids drops their prefix-store entries (the tree no longer holds the token):
+  with the store, the ids travel to the host without waiting and join the host's free list once
+  their entries are gone (`released_ids.py`);
 * `request_slot_reserve` (admission, every path) adds what the prefill being admitted takes in the
   sparse columns (the charge `patches/admission.py` sets for the request, by the prefill's end),
   `check_decode_capacity` (the decode check the retract loop converges on) adds the next step's
@@ -78,7 +80,13 @@ class RawHeapRows:
             return
         lent, self.host = self.host[:count], self.host[count:]
         (pages,) = upload([lent[:: self.page_size] // self.page_size], self.allocator.device)
-        self.base.free_page_ids(self.allocator, pages)
+        # The token allocator's stock free (its free_page_ids calls the hooked free, which reads
+        # the ids back for the prefix store); the paged one's free_page_ids (its free runs
+        # torch.unique, which waits on the device).
+        if self.page_size == 1:
+            self.base.free(self.allocator, pages)
+        else:
+            self.base.free_page_ids(self.allocator, pages)
 
     def clear(self) -> None:
         """SGLang's free list was reset to every row: the host's copies are in it again."""
@@ -111,12 +119,22 @@ def heap_allocator_class(base: type) -> type:
         kvsparse_charge: Callable[[int], int] | None = None
 
         def available_size(self) -> int:
-            return super().available_size() + self.kvsparse_rows.host.numel() + self.kvsparse_state.reclaimable_rows()
+            state = self.kvsparse_state
+            return (
+                super().available_size()
+                + self.kvsparse_rows.host.numel()
+                + state.reclaimable_rows()
+                + state.released_rows()
+            )
 
         def _make_room(self, rows: int) -> None:
             """SGLang's next allocation takes up to `rows` ids from its own free list: reclaim
-            prefix-store blocks, and lend host rows when its list is short."""
-            self.kvsparse_state.reclaim(rows)
+            prefix-store blocks (and settle SGLang's frees, waiting only when short), and lend
+            host rows when its list is short."""
+            state = self.kvsparse_state
+            state.reclaim(rows)
+            if self.kvsparse_rows.free_rows() < rows and state.released is not None:
+                state.released.settle(wait=True)
             short = rows - super().available_size()
             if short > 0:
                 self.kvsparse_rows.lend(short)
@@ -136,8 +154,11 @@ def heap_allocator_class(base: type) -> type:
             return super().alloc_decode(seq_lens, seq_lens_cpu, last_loc, **kw)
 
         def free(self, free_index: torch.Tensor) -> None:
-            super().free(free_index)
-            self.kvsparse_state.forget_full_ids(free_index)
+            released = self.kvsparse_state.released
+            if released is None:  # no prefix store: nothing keyed by these ids
+                super().free(free_index)
+            elif free_index.numel():
+                released.freed(free_index)
 
         def clear(self) -> None:
             super().clear()

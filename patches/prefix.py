@@ -14,7 +14,7 @@ the same length. A fault while capping fails the request alone (`patches/faults.
 AROUND the tree's `insert` (`UnifiedRadixCache`, SGLang's default, and `RadixCache`; every
 insert: a chunk's checkpoint, a finished request): where the tree already held some of the
 inserted tokens under other ids, SGLang frees the inserted duplicates; their store entries move to
-the tree's ids before they are forgotten (`SparseState.adopting`, `adopt_store_entries`). That
+the tree's ids before they are forgotten (`ReleasedIds.adopting`, `ReleasedIds.adopt`). That
 lets a conversation's turn k reuse turn k-1's whole prompt: the tree holds the previous answer
 under its decode-time ids, which have no entries, and turn k-1's prefill computed the same tokens
 under ids the insert frees.
@@ -54,12 +54,12 @@ def cap_match(
 def adopt_duplicates(original: Any, tree_cache: Any, params: Any) -> Any:
     """The AROUND hook on `RadixCache.insert`: SGLang's insert, then the adoption of the doc."""
     state = context.current()
-    if state is None or state.store is None or params.value is None:
+    if state is None or state.released is None or params.value is None:
         return original(tree_cache, params)
-    with state.adopting():
+    with state.released.adopting():
         result = original(tree_cache, params)
         start = getattr(params, "prev_prefix_len", 0) or 0  # below it the values are the tree's own
         if result.prefix_len > start and result.last_device_node is not None:
             theirs = tree_cache.path_device_indices(result.last_device_node)[start : result.prefix_len]
-            state.adopt_store_entries(params.value[start : result.prefix_len], theirs)
+            state.released.adopt(params.value[start : result.prefix_len], theirs)
     return result

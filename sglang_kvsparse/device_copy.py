@@ -37,3 +37,27 @@ def upload(tensors: Sequence[torch.Tensor], device: torch.device | str) -> list[
         offset += tensor.numel()
         out.append(part if tensor.dtype == torch.int64 else part.to(tensor.dtype))
     return out
+
+
+class HostCopy:
+    """A device tensor on its way to the host: copied into pinned memory without waiting, with an
+    event that tells when it has landed (`ready`); `value` waits only if it has not."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if not on_accelerator(tensor.device):
+            self._host = tensor.clone()  # later changes to the source do not reach it
+            return
+        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self._host.copy_(tensor, non_blocking=True)
+        if tensor.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def value(self) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host

@@ -238,6 +238,9 @@ def plan_extend(
         for group_columns in staged_columns
     )
     state.prefilled[index[~partial]] = True
+    # A prefill (its store rows taken): keep what the running requests' decode steps will take on
+    # the host free list, so that no decode step waits on the device for its rows.
+    state.heap.reserve(state.decode_reserve())
     return ForwardPlan(
         get(at_qo),
         columns,

@@ -36,8 +36,6 @@ heap is never promised twice.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +45,7 @@ from sglang_kvsparse.contracts import HeapRows
 from sglang_kvsparse.layout import GroupSpec, HeapLayout, round_up, scores_per_row
 from sglang_kvsparse.policies import ScoringPolicy
 from sglang_kvsparse.prefix_store import PrefixStore
+from sglang_kvsparse.released_ids import ReleasedIds
 from sglang_kvsparse.request_sparsity import SERVER_SETTING, RequestSparsity
 from sglang_kvsparse.row_table import HeapError, HeapExhausted, RowTable
 from sglang_kvsparse.sentences import SentenceMarks
@@ -148,6 +147,8 @@ class Counters:
     prefix_tokens_reused: int = 0
     chunks_stored: int = 0  # prefill chunks before a prompt's last, kept whole in the store
     store_entries_adopted: int = 0  # store entries moved to the tree's id for the same token
+    #: Allocations that waited for SGLang's frees to reach the host (memory was short at once).
+    release_waits: int = 0
     requests_running_peak: int = 0
     #: Device values the sparse path read back (each a host wait on a GPU): request rows SGLang
     #: gave a forward no host copy of.
@@ -210,8 +211,9 @@ class SparseState:
         self.request_budget = torch.zeros(max_requests, dtype=torch.int64)  # a request's own budget, 0: the groups'
         self.request_policy: list[ScoringPolicy | None] = [None] * max_requests  # its own policy, None: the server's
         self._held: dict[int, torch.Tensor] = {}  # partial row -> the store blocks it holds
-        self._forgets: list[torch.Tensor] | None = None  # SGLang frees held back (`adopting`)
         self.counters = Counters()
+        #: SGLang's freed ids on their way to the host, for the prefix store (None without one).
+        self.released = ReleasedIds(self.store, heap, self.counters) if self.store is not None else None
         self._deferred: list[torch.Tensor] = []  # evicted rows to give back after the forward
         self.sentence_marks: SentenceMarks | None = None  # the server's, when it has a tokenizer
 
@@ -239,8 +241,6 @@ class SparseState:
         self.running[rows] = True
         self.partial[rows[prefilling]] = chunk[prefilling]
         self.counters.requests_running_peak = max(self.counters.requests_running_peak, self.requests_running())
-        if bool(new.any()):  # a prefill: the host may wait here, never in a decode step
-            self.heap.reserve(self.decode_reserve())
 
     def free(self, row: int) -> None:
         """Release the row in every group (a row that never got any is a no-op)."""
@@ -288,6 +288,8 @@ class SparseState:
 
     def clear(self) -> None:
         """Release every row, the deferred evictions and the prefix store, giving rows back."""
+        if self.released is not None:
+            self.released.settle(wait=True)
         for row in torch.nonzero(self.running).flatten().tolist():
             self.free(row)
         self.finish_forward()
@@ -313,6 +315,7 @@ class SparseState:
         self._deferred.clear()
         if self.store is not None:
             self.store.clear()
+            self.released.clear()
 
     # -- the heap, for SGLang's allocator hooks ----------------------------------------------
     def reclaimable_rows(self) -> int:
@@ -320,37 +323,17 @@ class SparseState:
         return self.store.reclaimable_rows() if self.store is not None else 0
 
     def reclaim(self, rows: int) -> None:
-        """Give back prefix-store blocks, least recently used first, until `rows` rows are free."""
+        """Give back prefix-store blocks, least recently used first, until `rows` rows are free
+        (SGLang's frees that have reached the host first)."""
+        if self.released is not None:
+            self.released.settle()
         short = rows - self.heap.free_rows()
         if short > 0 and self.store is not None:
             self.heap.give(self.store.reclaim(short))
 
-    def forget_full_ids(self, full_ids: torch.Tensor) -> None:
-        """SGLang freed these ids: their prefix-store entries are dead."""
-        if self.store is None:
-            return
-        if self._forgets is not None:
-            self._forgets.append(full_ids.to("cpu"))
-        else:
-            self.heap.give(self.store.forget(full_ids.to("cpu")))
-
-    @contextmanager
-    def adopting(self) -> Iterator[None]:
-        """Around one insert into SGLang's tree, which frees the duplicates it finds while it
-        walks: their prefix-store entries are forgotten only after `adopt_store_entries`."""
-        self._forgets = []
-        try:
-            yield
-        finally:
-            freed, self._forgets = self._forgets, None
-            for ids in freed:
-                self.forget_full_ids(ids)
-
-    def adopt_store_entries(self, ours: torch.Tensor, theirs: torch.Tensor) -> None:
-        """SGLang's tree keeps ids `theirs` for the tokens of ids `ours` and frees `ours`: their
-        prefill-computed entries move to the tree's ids (`PrefixStore.adopt`)."""
-        if self.store is not None:
-            self.counters.store_entries_adopted += self.store.adopt(ours.to("cpu"), theirs.to("cpu"))
+    def released_rows(self) -> int:
+        """Rows SGLang freed that are on their way back to the heap (free, usable once settled)."""
+        return self.released.rows if self.released is not None else 0
 
     def hold_for_next_chunk(self, row: int, full_ids: torch.Tensor) -> None:
         """The request in `row` continues its prefill in a later chunk that reads these ids (its
@@ -447,6 +430,7 @@ class SparseState:
         policies score with) to the prefill, whole pages only. 0 without a store."""
         if self.store is None:
             return 0
+        self.released.settle()  # adoptions that have landed
         usable = max(min(self.store.valid_prefix_len(prefix_ids), seq_len - self.config.observed), 0)
         return usable - usable % self.page_size
 
@@ -616,8 +600,11 @@ class SparseState:
         return torch.empty(0, dtype=torch.int64) if taken is None else taken
 
     def _make_room(self, rows: int) -> None:
-        """Free rows, then the prefix store's LRU blocks, then SGLang's radix tree."""
+        """Free rows, then the prefix store's LRU blocks, then SGLang's radix tree, then SGLang's
+        frees still on their way to the host (waiting for them)."""
         self.reclaim(rows)
         if self.heap.free_rows() < rows:
             self.heap.evict_cache(rows)
             self.reclaim(rows)
+        if self.heap.free_rows() < rows and self.released is not None:
+            self.released.settle(wait=True)

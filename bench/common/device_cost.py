@@ -8,9 +8,10 @@ run hides both, so they are counted instead of timed: counts are deterministic.
 `DeviceCost` is a dispatch mode that sees every aten op and classifies it:
 * a **launch**: an op that reads or writes a device tensor and produces or writes data (views,
   metadata and allocations are free); each Triton kernel launch counts once (`JITFunction.run`);
-* a **sync**: a device-to-host copy, a scalar read, a data-dependent output shape on the device,
-  a host-to-device copy from pageable memory or not `non_blocking`, or a host tensor mixed into a
-  device op (an implicit blocking copy).
+* a **sync**: a device-to-host copy (but a non-blocking one into pinned memory, whose wait, if
+  any, comes later: `device_copy.HostCopy`), a scalar read, a data-dependent output shape on the
+  device, a host-to-device copy from pageable memory or not `non_blocking`, or a host tensor mixed
+  into a device op (an implicit blocking copy).
 
 It works on a real GPU (device = CUDA) and, with no GPU, on a **simulated device**: `SimDevice`
 reports tensors on the `meta` device that carry real CPU data (or none, for buffers created with
@@ -188,6 +189,10 @@ class DeviceCost(TorchDispatchMode):
             pinned = args[0].clone()
             self._pinned.add(pinned.untyped_storage().data_ptr())
             return pinned
+        if kwargs.get("pin_memory") and self.simulated:  # a factory of pinned host memory
+            pinned = func(*args, **{**kwargs, "pin_memory": False})
+            self._pinned.add(pinned.untyped_storage().data_ptr())
+            return pinned
         inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         device_in = [x for x in inputs if self._on_device(x)]
         to_device = self._is_device(kwargs.get("device"))
@@ -206,10 +211,11 @@ class DeviceCost(TorchDispatchMode):
             source = args[1] if func is aten.copy_.default else args[0]
             host_to_device = not self._on_device(source)
             lands_on_host = not device_out if func is aten._to_copy.default else not self._on_device(args[0])
+            non_blocking = bool(kwargs.get("non_blocking") or args[2:3] == (True,))
             self.note_launch()
-            if lands_on_host:
+            if lands_on_host and not (non_blocking and func is aten.copy_.default and self._pinned_host(args[0])):
                 self.note_sync("device-to-host copy")
-            elif host_to_device and not (kwargs.get("non_blocking") or args[2:3] == (True,)):
+            elif host_to_device and not non_blocking:
                 self.note_sync("blocking host-to-device copy")
             elif host_to_device and not self._pinned_host(source):
                 self.note_sync("host-to-device copy from pageable memory")
@@ -290,21 +296,28 @@ def count_kernels(cost: DeviceCost, modules: list[Any], names: tuple[str, ...]) 
 
 
 def count_triton_launches(cost: DeviceCost) -> Callable[[], None]:
-    """Count every Triton kernel launch as one; on the simulated device, do not run it."""
+    """Count every Triton kernel launch as one (compiled or, under TRITON_INTERPRET=1,
+    interpreted); on the simulated device, do not run it."""
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    original = JITFunction.run
+    originals = [(kind, kind.run) for kind in (JITFunction, InterpretedFunction)]
 
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        cost.note_launch()
-        if cost.simulated:
-            return None
-        with cost.paused():
-            return original(self, *args, **kwargs)
+    def counted(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            cost.note_launch()
+            if cost.simulated:
+                return None
+            with cost.paused():
+                return original(self, *args, **kwargs)
 
-    JITFunction.run = run
+        return run
+
+    for kind, original in originals:
+        kind.run = counted(original)
 
     def restore() -> None:
-        JITFunction.run = original
+        for kind, original in originals:
+            kind.run = original
 
     return restore

@@ -1,12 +1,11 @@
 """The lent GPU's one script (`bench/gpu_check.py`) runs end to end in its CPU dry-run mode, so it
-is known to work before a GPU is available: the decode path with evictions under the host-sync
-guard, the fixed-buffer (graph-replay) decode against the eager one, and the serving step that
-the one lent GPU runs (the Llama-3.1-8B config shrunk to 4 layers and 2 KV heads with dummy
-weights and a placeholder tokenizer; stock SGLang and the sparse variant started, measured at two
-concurrencies with SGLang's own client, stopped, and reported). The `serving-tp2` step is the
-same code with `--tp-size 2` for both systems (skipped on one GPU); sparse servers at
-`--tp-size 2` are tested in `test_parallel_serving.py`. Its kernel step is the kernel benchmark's
-dry run, which the kernel tier runs (`tests/kernels/test_bench_kernels_cpu.py`).
+is known to work before a GPU is available: the decode step's cost counted on the simulated
+device (no host sync), the fixed-buffer (graph-replay) decode against the eager one, and the
+serving step, which runs where SGLang imports (the Llama-3.1-8B config shrunk to 4 layers and 2
+KV heads with dummy weights and a placeholder tokenizer; stock SGLang and the sparse variant
+started, measured at two concurrencies with SGLang's own client, stopped, and reported). Its
+kernel step is the kernel benchmark's dry run, which the kernel tier runs
+(`tests/kernels/test_bench_kernels_cpu.py`).
 
 No speed is asserted (the numbers are the benchmark's output, not a target); only that every
 step passed, every system produced rows with positive throughput in the JSON, the markdown and
@@ -36,7 +35,7 @@ def test_gpu_check_dry_run_passes_every_step_and_reports_every_system(tmp_path: 
             str(ROOT / "bench" / "gpu_check.py"),
             "--dry-run",
             "--steps",
-            "no-sync,graph,serving",
+            "step-cost,graph,serving",
             "--out-dir",
             str(tmp_path),
         ],
@@ -49,9 +48,10 @@ def test_gpu_check_dry_run_passes_every_step_and_reports_every_system(tmp_path: 
 
     [check_file] = tmp_path.glob("gpu-check-*-dry-run.json")
     check = json.loads(check_file.read_text())
-    assert check["device"] == "CPU (dry run)" and list(check["steps"]) == ["no-sync", "graph", "serving"]
+    assert check["device"] == "CPU (dry run)" and list(check["steps"]) == ["step-cost", "graph", "serving"]
     assert all(step["ok"] for step in check["steps"].values())
-    assert check["steps"]["no-sync"]["steps_with_evictions"] > 10
+    per_layer = check["steps"]["step-cost"]["per_layer"]
+    assert set(per_layer) == {"1", "8", "64"} and all(row["syncs_per_step"] == 0 for row in per_layer.values())
     assert check["steps"]["graph"]["max_abs_difference"] <= 1e-4
     assert "| graph | yes |" in check_file.with_suffix(".md").read_text()
 

@@ -11,7 +11,6 @@ runs it on a GPU too).
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -32,7 +31,9 @@ class FreeList:
         self.free = list(range(rows // page_size, 0, -1))  # page ids, low ids taken first
         self.in_use = torch.zeros(rows // page_size + 1, dtype=torch.bool)
         self.cached: list[torch.Tensor] = []  # "radix tree" entries: SGLang ids, oldest first
-        self.on_free = None  # SGLang's free of its own ids reaches the state (as the allocator hook does)
+        self.on_free = (
+            None  # with a prefix store, SGLang's free of its own ids goes to the state (as the allocator hook's)
+        )
 
     def take(self, rows: int) -> torch.Tensor | None:
         assert rows % self.page_size == 0
@@ -69,8 +70,11 @@ class FreeList:
         return rows
 
     def sglang_free(self, ids: torch.Tensor) -> None:
-        self.give(ids)
-        if self.on_free is not None:
+        """As the heap allocator's `free`: with a prefix store the ids reach the free list through
+        the state (after their store entries are gone), without one directly."""
+        if self.on_free is None:
+            self.give(ids)
+        else:
             self.on_free(ids)
 
     def evict_cache(self, rows: int) -> None:
@@ -121,7 +125,7 @@ def make_state(
     state = SparseState(
         resolved, heap=heap, lanes=lanes, max_requests=max_requests, heap_rows=rows, prefix_cache=prefix_cache
     )
-    heap.on_free = state.forget_full_ids
+    heap.on_free = state.released.freed if state.released is not None else None
     return state, heap
 
 
@@ -164,12 +168,11 @@ def decode_lifecycle(
     steps: int,
     decode: DecodeStep = eager_decode,
     seed: int = 5,
-    guard: Callable[[], AbstractContextManager] = nullcontext,
 ):
     """A seeded lifecycle: requests join (prefilled alone), decode together, evict and finish,
     on a state of up to 7 request rows (rows 1..7). Each decode step's plan goes to `decode`,
-    after its evictions ran; both inside `guard()`. Returns (each decode step's outputs on the
-    host, steps with an eviction). Inputs come from a seeded generator: two runs see the same."""
+    after its evictions ran. Returns (each decode step's outputs on the host, steps with an
+    eviction). Inputs come from a seeded generator: two runs see the same."""
     device = state.lanes[0].k.device
     gen = torch.Generator().manual_seed(seed)
 
@@ -202,9 +205,8 @@ def decode_lifecycle(
         evicting += bool(plan.evictions)
         q, k, v = inputs(len(rows))
         positions = torch.tensor([lengths[row] for row in rows], device=device)
-        with guard():
-            evict_planned(plan, state.layout, state.lanes, state.policy)
-            out = decode(state, plan, q, k, v, positions)
+        evict_planned(plan, state.layout, state.lanes, state.policy)
+        out = decode(state, plan, q, k, v, positions)
         outputs.append(out.cpu())
         state.finish_forward()
         for row in rows:

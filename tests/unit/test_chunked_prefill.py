@@ -235,9 +235,9 @@ def test_a_conversations_next_turn_finds_the_answer_under_the_trees_ids():
     forward(state, [2], [12], [8], [prompt_ids], new_ids, *sequences([8])[0])
     state.free(2)
     assert state.store.valid_prefix_len(torch.cat([prompt_ids, answer_ids])) == 12
-    with state.adopting():  # SGLang's insert of turn 2: the answer's new ids are duplicates
+    with state.released.adopting():  # SGLang's insert of turn 2: the answer's new ids are duplicates
         heap.sglang_free(new_ids[:6])
-        state.adopt_store_entries(new_ids[:6], answer_ids)
+        state.released.adopt(new_ids[:6], answer_ids)
     assert state.store.valid_prefix_len(torch.cat([prompt_ids, answer_ids, new_ids[6:]])) == 20
     assert state.counters.store_entries_adopted == 6
 
