@@ -25,6 +25,7 @@ from sglang.srt.layers.attention import attention_registry
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sglang_kvsparse.backends import WRAPPED_BACKENDS
+from sglang_kvsparse.decode_graph import DecodeBuffers
 from sglang_kvsparse.guide import PrefillGuide
 from sglang_kvsparse.planning import ForwardPlan, MixedPlan, plan_extend
 from sglang_kvsparse.sparse_attention import prepare_decode, sparse_decode, sparse_extend, sparse_mixed
@@ -49,6 +50,9 @@ class KVSparseBackend(AttentionBackend):
         self._plan: ForwardPlan | MixedPlan | None = None
         self._guide: PrefillGuide | None = None
         self._last_sparse_layer = max(state.layout.sparse_slots, default=-1)
+        self._graph_buffers: DecodeBuffers | None = None
+        #: The request rows of the decode step about to replay (`graph_execute`).
+        self.replay_rows: list[int] | None = None
 
     # Attributes the base class declares (so __getattr__ would never see them) but the inner
     # backend owns: forward them, so a translator bound to the wrapper reaches the inner one.
@@ -77,14 +81,15 @@ class KVSparseBackend(AttentionBackend):
         self.inner.init_forward_metadata(forward_batch)
         mode = forward_batch.forward_mode
         self._guide = None
+        if mode.is_idle():
+            self._plan = None
+            return
         marks = self.state.sentence_marks
-        if marks is not None and not mode.is_idle():
+        if marks is not None:
             marks.record(forward_batch.out_cache_loc, forward_batch.input_ids)
         rows = self._rows(forward_batch)
         device = self.state.lanes[0].k.device
-        if mode.is_idle():
-            self._plan = None
-        elif mode.is_decode():
+        if mode.is_decode():
             self._plan = self._plan_decode(rows, device)
         elif mode.is_extend() and not mode.is_target_verify():
             # SGLang runs a mixed batch (prefills, then running rows' decode tokens) as an extend.
@@ -101,6 +106,48 @@ class KVSparseBackend(AttentionBackend):
             self._guide = self._prefill_guide(extend)
         else:
             raise NotImplementedError(f"kvsparse: forward mode {mode} is not supported with sparse layers")
+
+    # -- SGLang's decode CUDA graphs ---------------------------------------------------------
+    # The sparse layers of a captured step read `DecodeBuffers` (fixed shapes, filled in place);
+    # everything variable (the plan from the host tables, the evictions, the release) runs outside
+    # the graph: `init_forward_metadata_out_graph` before a replay, `release_after_forward` after.
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
+        self._graph_buffers = DecodeBuffers(self.state, max_bs, self.state.lanes[0].k.device)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> Any:
+        return self.inner.get_cuda_graph_seq_len_fill_value()
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        """Before capturing a decode step of `batch_size` requests: the plan over the buffers.
+        Before replaying one: its real requests (`replay_rows`, the first `batch_size -
+        num_padding`) planned from the host tables, their evictions run, the buffers filled."""
+        self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+        self._guide = None
+        if not in_capture:
+            rows, self.replay_rows = self.replay_rows, None
+            if rows is None or len(rows) != forward_batch.batch_size - forward_batch.num_padding:
+                raise RuntimeError("kvsparse: a decode graph replay without its requests' rows")
+            marks = self.state.sentence_marks
+            if marks is not None:
+                marks.record(forward_batch.out_cache_loc, forward_batch.input_ids[: len(rows)])
+            self._graph_buffers.fill(self._plan_decode(rows, self.state.lanes[0].k.device))
+        self._plan = self._graph_buffers.plan(forward_batch.batch_size)
+
+    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+        self.inner.init_forward_metadata_in_graph(forward_batch)
+
+    def on_after_cuda_graph_warmup(self) -> None:
+        self.inner.on_after_cuda_graph_warmup()
+
+    def can_replay(self, forward_batch: Any) -> bool:
+        """Whether a decode step of this batch can replay a captured graph: not when a request
+        scores with a policy of its own (the graph scores with the server's); counted."""
+        rows = self._rows(forward_batch)
+        if any(self.state.request_policy[row] is not None for row in rows):
+            self.state.counters.eager_decode_steps += 1
+            return False
+        return True
 
     def _rows(self, forward_batch: Any) -> list[int]:
         """The batch's request rows, from SGLang's host copy. Without one (a path that gives a
@@ -178,6 +225,22 @@ class KVSparseBackend(AttentionBackend):
         return self.inner.support_triton()
 
 
+def graph_can_run(original: Callable[..., bool], runner: Any, forward_batch: Any) -> bool:
+    """AROUND `DecodeCudaGraphRunner.can_run_graph`: SGLang's answer, and the sparse layers'."""
+    backend = runner.attn_backend
+    ok = original(runner, forward_batch)
+    return ok and (not isinstance(backend, KVSparseBackend) or backend.can_replay(forward_batch))
+
+
+def graph_execute(original: Callable[..., Any], runner: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND `DecodeCudaGraphRunner.execute`: the replay's planning (`init_forward_metadata_out_graph`,
+    which SGLang calls with a padded view of the batch) learns the real batch's request rows."""
+    backend = runner.attn_backend
+    if isinstance(backend, KVSparseBackend):
+        backend.replay_rows = backend._rows(forward_batch)
+    return original(runner, forward_batch, *args, **kwargs)
+
+
 def with_host_rows(forward_batch: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER `ForwardBatch.init_new`: SGLang hands a forward its request rows on the host for
     extends only, while the scheduler's batch keeps them for decodes too: keep them, so the plan
@@ -217,4 +280,13 @@ def installed() -> bool:
     return all(getattr(factory, _MARK, False) for factory in registered if factory is not None)
 
 
-__all__ = ["KVSparseBackend", "WRAPPED_BACKENDS", "install", "installed", "release_after_forward", "with_host_rows"]
+__all__ = [
+    "KVSparseBackend",
+    "WRAPPED_BACKENDS",
+    "graph_can_run",
+    "graph_execute",
+    "install",
+    "installed",
+    "release_after_forward",
+    "with_host_rows",
+]

@@ -66,6 +66,7 @@ def _own_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1)
     parser.add_argument("--pp-size", "--pipeline-parallel-size", dest="pp_size", type=int, default=1)
     parser.add_argument("--enable-dp-attention", action="store_true")
+    parser.add_argument("--cuda-graph-backend-decode", dest="cuda_graph_backend_decode")
     for option in BACKEND_OPTIONS:
         parser.add_argument("--" + option.replace("_", "-"), dest=option)
     return parser
@@ -108,7 +109,9 @@ def build_sglang_argv(argv: list[str]) -> list[str]:
     check_parallelism(config, own.pp_size, own.enable_dp_attention)
     export_to_processes(config)
     _say(f"sparsity: {config.describe()}")
-    given = {name: getattr(own, name) for name in ("mem_fraction_static", *BACKEND_OPTIONS)}
+    given = {
+        name: getattr(own, name) for name in ("mem_fraction_static", "cuda_graph_backend_decode", *BACKEND_OPTIONS)
+    }
     needed, notes = sparse_sglang_defaults(config, given, cpu=not gpu_available())
     sglang_argv += as_cli_flags(needed)
     for note in notes:

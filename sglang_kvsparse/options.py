@@ -24,11 +24,13 @@ CONFIG_ENV = "SGLANG_KVSPARSE_CONFIG"
 #: --mem-fraction-static for a sparse server on the CPU (see `sparse_sglang_defaults`).
 CPU_SPARSE_MEM_FRACTION = 0.8
 
-#: SGLang options a sparse server needs on a GPU (docs/sparse-backend-plan.md §7).
-GPU_SPARSE_OPTIONS: dict[str, object] = {
-    "cuda_graph_backend_decode": "disabled",
-    "cuda_graph_backend_prefill": "disabled",
-}
+#: SGLang options a sparse server needs on a GPU: a sparse prefill selects with data-dependent
+#: shapes, so prefills run eagerly; decode steps replay SGLang's full CUDA graphs
+#: (`patches/attention.py`, `decode_graph.py`).
+GPU_SPARSE_OPTIONS: dict[str, object] = {"cuda_graph_backend_prefill": "disabled"}
+
+#: Decode CUDA-graph backends the sparse layers serve; another given one is replaced by the first.
+DECODE_GRAPH_BACKENDS: tuple[str, ...] = ("full", "disabled")
 
 #: Preset used when no sparsity option is given (the launcher prints it at start-up): layers 0 and
 #: 1 full, 1,024 entries in the others (config.PRESETS; docs/config.md says why).
@@ -131,16 +133,25 @@ def sparse_sglang_defaults(
     from the plan it builds, so the next step's allocation never races it. On the CPU, where
     --max-total-tokens bounds the KV pool anyway, a fixed --mem-fraction-static is given rather
     than SGLang's derivation, which reserves activations for a whole unchunked prompt when
-    chunking is off. On a GPU, CUDA graphs are turned off (`GPU_SPARSE_OPTIONS`): the sparse
-    decode step is graph-ready (`decode_graph.py`) but SGLang's capture hooks are not wired yet.
+    chunking is off. On a GPU, decode steps replay SGLang's full CUDA graphs, prefills run
+    eagerly (`GPU_SPARSE_OPTIONS`); a breakable decode graph (which needs hooks the sparse layers
+    do not implement) is replaced by a full one, in one line.
     """
     if not config.enabled:
         return {}, []
     chosen: dict[str, object] = {}
     if cpu and given.get("mem_fraction_static") is None:
         chosen["mem_fraction_static"] = CPU_SPARSE_MEM_FRACTION
+    notes: list[str] = []
     if not cpu:
         chosen.update(GPU_SPARSE_OPTIONS)
-    backends, notes = backend_choices(given, cpu=cpu)
+        decode_graph = given.get("cuda_graph_backend_decode")
+        if decode_graph is not None and decode_graph not in DECODE_GRAPH_BACKENDS:
+            chosen["cuda_graph_backend_decode"] = DECODE_GRAPH_BACKENDS[0]
+            notes.append(
+                f"--cuda-graph-backend-decode {decode_graph} is not served with sparse layers: "
+                f"using {DECODE_GRAPH_BACKENDS[0]}"
+            )
+    backends, backend_notes = backend_choices(given, cpu=cpu)
     chosen.update(backends)
-    return chosen, notes
+    return chosen, notes + backend_notes

@@ -153,6 +153,9 @@ class Counters:
     #: Device values the sparse path read back (each a host wait on a GPU): request rows SGLang
     #: gave a forward no host copy of.
     host_syncs: int = 0
+    #: Decode steps that ran eagerly where a captured graph could not serve them (a request
+    #: with a policy of its own).
+    eager_decode_steps: int = 0
     #: Requests given rows, by their setting's label (`RequestSparsity.label`); a retracted
     #: request counts again when it is readmitted.
     requests_by_setting: dict[str, int] = field(default_factory=dict)

@@ -49,4 +49,4 @@ def test_plugin_installs_the_sparse_backend_when_enabled():
     enabled = json.dumps({"enabled": True, "full_layers": [0, 1], "budget": 8192})
     result = _run({"SGLANG_KVSPARSE_CONFIG": enabled})
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "hooks 16" in result.stdout and "attention wrapped True" in result.stdout
+    assert "hooks 18" in result.stdout and "attention wrapped True" in result.stdout

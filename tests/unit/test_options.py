@@ -68,6 +68,19 @@ def gpu_launch(tmp_path, monkeypatch):
     monkeypatch.delenv(options.CONFIG_ENV, raising=False)
 
 
+def test_the_gpu_launch_keeps_decode_graphs_and_runs_prefills_eagerly(gpu_launch, capsys):
+    argv = gpu_launch()
+    assert "--cuda-graph-backend-decode" not in argv  # SGLang's own choice: full graphs
+    assert argv[argv.index("--cuda-graph-backend-prefill") + 1] == "disabled"
+    argv = gpu_launch("--cuda-graph-backend-decode", "full")
+    assert argv[len(argv) - 1 - argv[::-1].index("--cuda-graph-backend-decode") + 1] == "full"
+    argv = gpu_launch("--cuda-graph-backend-decode", "breakable")
+    assert argv[len(argv) - 1 - argv[::-1].index("--cuda-graph-backend-decode") + 1] == "full"
+    assert "--cuda-graph-backend-decode breakable is not served with sparse layers: using full" in (
+        capsys.readouterr().err
+    )
+
+
 def test_the_gpu_launch_leaves_sglangs_backend_choice_alone(gpu_launch, capsys):
     argv = gpu_launch("--kvsparse-budget", "512")
     assert "--attention-backend" not in argv and "--device" not in argv  # SGLang picks fa3/flashinfer
