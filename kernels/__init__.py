@@ -21,6 +21,7 @@ from .extend_attention import (
     extend_attention_with_stats_triton,
 )
 from .selection import best_places, pool_scores, select_kept, select_rows, spread_scores
+from .store import store_entries, store_entries_torch, store_entries_triton
 from .window_scores import (
     WindowScoreConfig,
     window_scores,
@@ -48,6 +49,9 @@ __all__ = [
     "select_kept",
     "select_rows",
     "spread_scores",
+    "store_entries",
+    "store_entries_torch",
+    "store_entries_triton",
     "window_scores",
     "window_scores_torch",
     "window_scores_triton",

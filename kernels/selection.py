@@ -235,9 +235,11 @@ def select_rows(scores: torch.Tensor, budget: int, sink: int, window: int) -> to
     n = scores.shape[1]
     if sink < 0 or window < 0 or not sink + window <= budget <= n:
         raise ValueError(f"need 0 <= sink ({sink}) + window ({window}) <= budget ({budget}) <= row length ({n})")
-    positions = torch.arange(n, device=scores.device)
-    protected = (positions < sink) | (positions >= n - window)
-    rank = torch.where(protected[None, :, None], float("inf"), scores.float())
+    rank = scores.to(torch.float32, copy=True)
+    if sink:  # protected: ranked first
+        rank[:, :sink] = float("inf")
+    if window:
+        rank[:, n - window :] = float("inf")
     # A stable sort, as in `select_kept`: of equal scores the earliest positions win.
     top = torch.sort(rank, dim=1, descending=True, stable=True).indices[:, :budget]
     return torch.sort(top, dim=1).values

@@ -40,6 +40,8 @@ class HeapRows(Protocol):
     """Raw rows of the KV heap: SGLang's token allocator, without the project's own hooks."""
 
     page_size: int
+    #: Times `take` or `reserve` had to read free rows back from the device (a host wait).
+    refills: int
 
     def take(self, rows: int) -> torch.Tensor | None:
         """`rows` (a multiple of the page size) free rows, page by page, as a host int64 tensor,

@@ -121,7 +121,8 @@ def _store_all(
     _store(buffers, column.new_slots, k_all, v_all)
     for group in policy_groups(plan, policy):
         keys = slice(None) if group.mask is None else group.mask[requests]
-        buffers.scores[column.new_score_slots[keys]] = group.policy.new_key_scores(k_all[keys], in_sequence[keys])
+        first = group.policy.new_key_scores(k_all[keys], in_sequence[keys])
+        buffers.scores[column.new_score_slots[keys]] = 0.0 if first is None else first
 
 
 def _keep(
@@ -197,24 +198,43 @@ def sparse_decode(
     run this step's evictions).
 
     `q` is [B, H_q, D], `k`/`v` [B, H_kv, D], `positions` [B] the new tokens' places in their
-    sequences. The new key's score is the policy's (`new_key_scores`), and the kernel updates
-    every kept key's score with its attention as the policy says (`score_update`: H2O-style
-    accumulation by default), which the next eviction reads. Every shape here is fixed by the
-    plan (no value is read back), so the step queues its work without waiting on the device and
-    can be captured in a CUDA graph. A batch whose requests' own policies update scores in
-    different ways runs the kernel once per policy, on its requests.
+    sequences. The new key's K/V and first score (the policy's `new_key_scores`) are stored in
+    one launch (`store_entries`), and the kernel updates every kept key's score with its
+    attention as the policy says (`score_update`: H2O-style accumulation by default), which the
+    next eviction reads. Every shape here is fixed by the plan (no value is read back), so the
+    step queues its work without waiting on the device and can be captured in a CUDA graph. A
+    batch whose requests' own policies update scores in different ways runs the kernel once per
+    policy, on its requests.
     """
-    _store(buffers, column.new_slots, k, v)
     groups = policy_groups(plan, policy)
-    for group in groups:
-        rows = slice(None) if group.rows is None else group.rows
-        buffers.scores[column.new_score_slots[rows]] = group.policy.new_key_scores(k[rows], positions[rows])
+    kernels.store_entries(
+        buffers.k,
+        buffers.v,
+        buffers.scores,
+        column.new_slots,
+        column.new_score_slots,
+        k,
+        v,
+        _first_scores(groups, k, positions),
+    )
     if len({group.policy.score_update for group in groups}) == 1:
         return _decode(q, column, buffers, sm_scale, groups[0].policy, slice(None))
     out = torch.empty_like(q)
     for group in groups:
         out[group.rows] = _decode(q, column, buffers, sm_scale, group.policy, group.rows)
     return out
+
+
+def _first_scores(groups: tuple[PolicyGroup, ...], k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    """The new keys' first scores [B, H_kv] by each request's policy (None: all zero)."""
+    if len(groups) == 1:
+        return groups[0].policy.new_key_scores(k, positions)
+    scores = torch.zeros(k.shape[:2], dtype=torch.float32, device=k.device)
+    for group in groups:
+        first = group.policy.new_key_scores(k[group.rows], positions[group.rows])
+        if first is not None:
+            scores[group.rows] = first
+    return scores
 
 
 def _decode(
@@ -276,8 +296,7 @@ def evict_group(
     gathered = [lanes[lane].scores[eviction.score_slots[:count]] for lane, count in on_lane]  # [count, N, n_old, H]
     scores = torch.cat(gathered) if len(gathered) > 1 else gathered[0]
     layers, heads = scores.shape[0], scores.shape[-1]
-    indptr = torch.arange(layers * rows + 1, device=scores.device) * n_old
-    ranked = policy.eviction_scores(scores.reshape(-1, heads), indptr).reshape(layers * rows, n_old, heads)
+    ranked = policy.eviction_scores(scores.view(layers * rows, n_old, heads))
     kept = kernels.select_rows(ranked, budget, sink, window)  # [layers * N, budget, H]
     first = 0
     for lane, count in on_lane:

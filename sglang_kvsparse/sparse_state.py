@@ -156,6 +156,9 @@ class Counters:
     #: Decode steps that ran eagerly where a captured graph could not serve them (a request
     #: with a policy of its own).
     eager_decode_steps: int = 0
+    #: Copies of SGLang's free ids to the host made while allocating a decode step (the host
+    #: free list ran short of the running requests' reserve: memory pressure).
+    decode_refills: int = 0
     #: Requests given rows, by their setting's label (`RequestSparsity.label`); a retracted
     #: request counts again when it is readmitted.
     requests_by_setting: dict[str, int] = field(default_factory=dict)
@@ -234,7 +237,10 @@ class SparseState:
         new = prefilling & ~chunk
         plans = [self._growth(group, rows[new], targets[new], stepping) for group in self.groups]
         total = sum(pages for pages, _ in plans) * self.page_size
+        refills = self.heap.refills
         taken = self.take(total) if total else torch.empty(0, dtype=torch.int64)
+        if not bool(prefilling.any()):
+            self.counters.decode_refills += self.heap.refills - refills
         offset = 0
         for group, (pages, evicting) in zip(self.groups, plans):
             mine = taken[offset : offset + pages * self.page_size]

@@ -58,6 +58,7 @@ class HeapStats:
     sparse: int  # all groups' request entries
     prefix_store: int
     evicting: int  # evicted rows given back once their forward has been issued
+    releasing: int  # rows SGLang freed, on their way to the host (`released_ids.py`)
     groups: list[GroupStats]
 
 
@@ -80,6 +81,16 @@ class SparseStats:
     requests_running_peak: int
     forward_plans: int
     evictions: int
+    #: What makes the host wait for the device, counted where the sparse path could: request rows
+    #: read back (`host_syncs`), SGLang's free ids copied to the host during a decode step's
+    #: allocation (`decode_refills`; `heap_refills` all of them, prefills included), allocations
+    #: that waited for freed ids still on their way (`release_waits`). Zero in a healthy decode.
+    host_syncs: int
+    decode_refills: int
+    heap_refills: int
+    release_waits: int
+    #: Decode steps run eagerly where a captured graph could not serve them.
+    eager_decode_steps: int
     #: Sentence-ending tokens among the keys of the prefills that keep entries, cached prefixes
     #: included (0 without a tokenizer, `--skip-tokenizer-init`: its start-up log says so).
     prefill_sentence_ends: int
@@ -105,16 +116,18 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
     sparse = sum(g.rows for g in group_stats)
     store = state.store.rows() if state.store is not None else 0
     evicting = state.deferred_rows()
+    releasing = state.released_rows()
     total = state.dense_capacity
     heap = HeapStats(
         rows_total=total,
         lanes=layout.lanes,
         free=heap_free_rows,
         full_running=full_running,
-        full_cached=total - heap_free_rows - full_running - sparse - store - evicting,
+        full_cached=total - heap_free_rows - full_running - sparse - store - evicting - releasing,
         sparse=sparse,
         prefix_store=store,
         evicting=evicting,
+        releasing=releasing,
         groups=group_stats,
     )
     layers = []
@@ -147,6 +160,11 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
         requests_running_peak=state.counters.requests_running_peak,
         forward_plans=state.counters.forward_plans,
         evictions=state.counters.evictions,
+        host_syncs=state.counters.host_syncs,
+        decode_refills=state.counters.decode_refills,
+        heap_refills=state.heap.refills,
+        release_waits=state.counters.release_waits,
+        eager_decode_steps=state.counters.eager_decode_steps,
         prefill_sentence_ends=0 if state.sentence_marks is None else int(state.sentence_marks.counted),
         requests_by_setting=dict(state.counters.requests_by_setting),
     )
@@ -164,9 +182,14 @@ _REQUEST_COUNTS = (
     "requests_running_peak",
     "forward_plans",
     "evictions",
+    "host_syncs",
+    "decode_refills",
+    "heap_refills",
+    "release_waits",
+    "eager_decode_steps",
     "prefill_sentence_ends",
 )
-_HEAP_COUNTS = ("rows_total", "free", "full_running", "full_cached", "sparse", "prefix_store", "evicting")
+_HEAP_COUNTS = ("rows_total", "free", "full_running", "full_cached", "sparse", "prefix_store", "evicting", "releasing")
 
 #: Fields that add up over data-parallel replicas (each counts its own requests and rows), as
 #: paths into the wire format; a list in a path means every element of that list.

@@ -82,15 +82,16 @@ class ScoringPolicy(ABC):
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
         """[total_kv, H_kv] float32 scores aligned with ``inputs.kv_indices``."""
 
-    def new_key_scores(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def new_key_scores(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The score a decoded token's key starts with, before its step's attention updates it:
-        [B, H_kv] float32 for keys `k` [B, H_kv, D] at sequence `positions` [B]. Default zero
-        (its own attention then gives it its first score)."""
-        return torch.zeros(k.shape[:2], dtype=torch.float32, device=k.device)
+        [B, H_kv] float32 for keys `k` [B, H_kv, D] at sequence `positions` [B], or None for zero
+        (the default: its own attention then gives it its first score; no tensor to launch)."""
+        return None
 
-    def eviction_scores(self, scores: torch.Tensor, row_indptr: torch.Tensor) -> torch.Tensor:
-        """What a decode eviction ranks, from the rows' stored scores [total, H_kv] (each row's
-        entries in position order, rows bounded by `row_indptr`). Default: the scores as stored."""
+    def eviction_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """What a decode eviction ranks, from the stored scores [R, n, H_kv] of R rows of n
+        entries each (a request's entries in one layer, in position order; an eviction's rows are
+        all full). Default: the scores as stored."""
         return scores
 
     def queries_before_window(self) -> int:

@@ -96,5 +96,10 @@ class SpanPolicy(SnapKVPolicy):
         longer = spread_scores(torch.where(best, pooled, 0.0), kv_indptr, self.long_follow)
         return torch.maximum(spread, longer)
 
-    def eviction_scores(self, scores: torch.Tensor, row_indptr: torch.Tensor) -> torch.Tensor:
-        return spread_scores(scores, row_indptr, self.follow)
+    def eviction_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Each entry raised to the best of the `follow` entries before it in its row, as at
+        prefill (`spread_scores`): one sliding max over rows of equal length."""
+        if not self.follow:
+            return scores
+        rows = torch.nn.functional.pad(scores.transpose(1, 2), (self.follow, 0), value=float("-inf"))
+        return torch.nn.functional.max_pool1d(rows, self.follow + 1, stride=1).transpose(1, 2)

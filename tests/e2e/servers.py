@@ -106,13 +106,17 @@ def every_rank(stats: dict) -> list[dict]:
 
 def assert_every_slot_back(stats: dict) -> None:
     """On every rank, no request holds a heap row: every row is free or cached (SGLang's radix
-    tree, the prefix store), both of which give rows back on demand."""
+    tree, the prefix store), both of which give rows back on demand. And nothing the sparse path
+    did made the host wait for the device: no request rows read back, no decode step refilling the
+    host free list from SGLang's device one, no allocation waiting for freed ids (`stats.py`)."""
     assert stats["requests_running"] == 0
     for rank in every_rank(stats):
         heap = rank["heap"]
-        assert (heap["full_running"], heap["sparse"], heap["evicting"]) == (0, 0, 0), heap
+        assert (heap["full_running"], heap["sparse"], heap["evicting"], heap["releasing"]) == (0, 0, 0, 0), heap
         assert heap["free"] + heap["full_cached"] + heap["prefix_store"] == heap["rows_total"], heap
         assert all(row["slots_in_use"] == 0 for row in rank["layers"])
+        waits = {name: rank[name] for name in ("host_syncs", "decode_refills", "release_waits")}
+        assert waits == {"host_syncs": 0, "decode_refills": 0, "release_waits": 0}, waits
 
 
 def assert_at_rest(server: Server) -> dict:

@@ -31,9 +31,9 @@ class FreeList:
         self.free = list(range(rows // page_size, 0, -1))  # page ids, low ids taken first
         self.in_use = torch.zeros(rows // page_size + 1, dtype=torch.bool)
         self.cached: list[torch.Tensor] = []  # "radix tree" entries: SGLang ids, oldest first
-        self.on_free = (
-            None  # with a prefix store, SGLang's free of its own ids goes to the state (as the allocator hook's)
-        )
+        self.refills = 0  # one free list, on the host: nothing is ever read back
+        # With a prefix store, SGLang's free of its own ids goes to the state (as the allocator's).
+        self.on_free = None
 
     def take(self, rows: int) -> torch.Tensor | None:
         assert rows % self.page_size == 0

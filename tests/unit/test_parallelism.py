@@ -52,13 +52,15 @@ def _rank(requests: int, free: int, kv_bytes: int) -> dict:
         **{name: requests for name in ("store_entries_adopted", "requests_running", "requests_running_peak")},
         "forward_plans": 10,
         "evictions": requests,
+        **{name: 0 for name in ("host_syncs", "decode_refills", "release_waits", "eager_decode_steps")},
+        "heap_refills": requests,
         "prefill_sentence_ends": 4 * requests,
         "requests_by_setting": {"server": requests, f"budget {requests}": 1},
         "heap": {
             "rows_total": 1000,
             "lanes": 2,
             "free": free,
-            **{name: 1 for name in ("full_running", "full_cached", "sparse", "prefix_store", "evicting")},
+            **{name: 1 for name in ("full_running", "full_cached", "sparse", "prefix_store", "evicting", "releasing")},
             "groups": [{"budget": 256, "max_entries": 272, "columns": 3, "layers": [2, 3], "rows": 5, "score_rows": 1}],
         },
         "layers": [

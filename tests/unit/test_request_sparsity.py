@@ -163,7 +163,7 @@ class LowestFirst(SnapKVPolicy):
 
     name = "lowest-first"
 
-    def eviction_scores(self, scores: torch.Tensor, row_indptr: torch.Tensor) -> torch.Tensor:
+    def eviction_scores(self, scores: torch.Tensor) -> torch.Tensor:
         return -scores
 
 
