@@ -188,23 +188,6 @@ PROFILES: dict[str, Profile] = {
             shared_prefix=SharedPrefix(groups=4, prompts_per_group=4, question_len=100),
         ),
         Profile(
-            name="cpu-host-cost",
-            description="Host work per decode step: Llama-3.1-8B's 32 layers with dummy weights, "
-            "a hidden size of 128 and 2 KV heads (compute negligible, so a step is mostly the "
-            "host's work per layer and request), 400 in / 160 out, concurrency 1 to 128. Layers "
-            "0-1 full and a budget of 256 elsewhere, so every request evicts while it decodes. "
-            "Target (issue 12): the project's median ITL at most 1.15x stock's at every level.",
-            model="llama-3.1-8b",
-            device="cpu",
-            dtype="float32",
-            input_len=400,
-            output_len=160,
-            concurrencies=(1, 8, 64, 128),
-            variants=(Variant("budget-256", PROJECT_BUDGET_256),),
-            max_total_tokens=73728,
-            shape="host",
-        ),
-        Profile(
             name="gpu-novita",
             description="Llama-3.1-8B shape with dummy weights on one GPU, 5,000 in / 500 out, "
             "concurrency 1 to 32; sparsity with layers 0-2 full and a budget of 1,536, then "

@@ -28,6 +28,7 @@ pinned, non-blocking copy). A decode step then never reads a device value for it
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,39 @@ import torch
 from sglang_kvsparse.device_copy import upload
 from sglang_kvsparse.layout import round_up
 from sglang_kvsparse.sparse_state import SparseState
+
+
+class HostFreeList:
+    """Free heap rows on the host, whole pages: given back in chunks, taken from the front. A
+    give appends its chunk (no copy of what is already there: the list can hold millions of
+    rows, the running requests' reserve); a take joins only the chunks it needs."""
+
+    def __init__(self) -> None:
+        self._chunks: deque[torch.Tensor] = deque()
+        self.rows = 0
+
+    def give(self, rows: torch.Tensor) -> None:
+        if rows.numel():
+            self._chunks.append(rows.reshape(-1).to(torch.int64))
+            self.rows += rows.numel()
+
+    def take(self, rows: int) -> torch.Tensor:
+        """The first `rows` free rows (at most `self.rows`)."""
+        parts, need = [], min(rows, self.rows)
+        while need:
+            chunk = self._chunks.popleft()
+            if chunk.numel() > need:
+                self._chunks.appendleft(chunk[need:])
+                chunk = chunk[:need]
+            parts.append(chunk)
+            need -= chunk.numel()
+        taken = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        self.rows -= taken.numel()
+        return taken
+
+    def clear(self) -> None:
+        self._chunks.clear()
+        self.rows = 0
 
 
 class RawHeapRows:
@@ -47,38 +81,36 @@ class RawHeapRows:
         self.base = base
         self.page_size = allocator.page_size
         self.tree_cache: Any = None  # SGLang's radix tree, learned from the first admission
-        #: Free rows known on the host, whole pages.
-        self.host = torch.empty(0, dtype=torch.int64)
+        #: Free rows known on the host.
+        self.host = HostFreeList()
         #: Copies of SGLang's free ids to the host (each waits for the device on a GPU).
         self.refills = 0
 
     def take(self, rows: int) -> torch.Tensor | None:
-        if self.host.numel() < rows:
-            self._refill(rows - self.host.numel())
-        if self.host.numel() < rows:
+        if self.host.rows < rows:
+            self._refill(rows - self.host.rows)
+        if self.host.rows < rows:
             return None
-        taken, self.host = self.host[:rows], self.host[rows:]
-        return taken
+        return self.host.take(rows)
 
     def give(self, rows: torch.Tensor) -> None:
         if rows.device.type != "cpu":
             raise ValueError("heap rows are given back from the host tables, never from the device")
-        if rows.numel():
-            self.host = torch.cat((self.host, rows.reshape(-1).to(torch.int64)))
+        self.host.give(rows)
 
     def free_rows(self) -> int:
-        return self.base.available_size(self.allocator) + self.host.numel()
+        return self.base.available_size(self.allocator) + self.host.rows
 
     def reserve(self, rows: int) -> None:
-        if self.host.numel() < rows:
-            self._refill(rows - self.host.numel())
+        if self.host.rows < rows:
+            self._refill(rows - self.host.rows)
 
     def lend(self, rows: int) -> None:
         """Move up to `rows` (whole pages) of the host's free rows to SGLang's own free list."""
-        count = min(round_up(rows, self.page_size), self.host.numel())
+        count = min(round_up(rows, self.page_size), self.host.rows)
         if count <= 0:
             return
-        lent, self.host = self.host[:count], self.host[count:]
+        lent = self.host.take(count)
         (pages,) = upload([lent[:: self.page_size] // self.page_size], self.allocator.device)
         # The token allocator's stock free (its free_page_ids calls the hooked free, which reads
         # the ids back for the prefix store); the paged one's free_page_ids (its free runs
@@ -90,7 +122,7 @@ class RawHeapRows:
 
     def clear(self) -> None:
         """SGLang's free list was reset to every row: the host's copies are in it again."""
-        self.host = torch.empty(0, dtype=torch.int64)
+        self.host.clear()
 
     def evict_cache(self, rows: int) -> None:
         if self.tree_cache is not None:
@@ -104,7 +136,7 @@ class RawHeapRows:
         taken = self.base.alloc(self.allocator, count)
         if taken is None:
             return
-        self.host = torch.cat((self.host, taken.to("cpu", torch.int64)))
+        self.host.give(taken.to("cpu", torch.int64))
         self.refills += 1
 
 
@@ -122,7 +154,7 @@ def heap_allocator_class(base: type) -> type:
             state = self.kvsparse_state
             return (
                 super().available_size()
-                + self.kvsparse_rows.host.numel()
+                + self.kvsparse_rows.host.rows
                 + state.reclaimable_rows()
                 + state.released_rows()
             )

@@ -29,13 +29,6 @@ SHAPES: dict[str, dict[str, int]] = {
         "head_dim": 64,
     },
     "kv": {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8},
-    "host": {
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-    },
 }
 
 
