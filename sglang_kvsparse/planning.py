@@ -238,8 +238,8 @@ def plan_extend(
         for group_columns in staged_columns
     )
     state.prefilled[index[~partial]] = True
-    # A prefill (its store rows taken): keep what the running requests' decode steps will take on
-    # the host free list, so that no decode step waits on the device for its rows.
+    # The store took its rows: top the host free list up again to what the running requests'
+    # decode steps will take (as the prefill's allocation did), so none waits on the device.
     state.heap.reserve(state.decode_reserve())
     return ForwardPlan(
         get(at_qo),

@@ -250,6 +250,8 @@ class SparseState:
         self.running[rows] = True
         self.partial[rows[prefilling]] = chunk[prefilling]
         self.counters.requests_running_peak = max(self.counters.requests_running_peak, self.requests_running())
+        if bool(prefilling.any()):  # a prefill's allocation, where the host may wait: never a decode step's
+            self.heap.reserve(self.decode_reserve())
 
     def free(self, row: int) -> None:
         """Release the row in every group (a row that never got any is a no-op)."""

@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from sglang_kvsparse.config import SparsityConfig
+from sglang_kvsparse.patches.allocator import attach, make_heap
+from sglang_kvsparse.planning import plan_decode
 from sglang_kvsparse.policies import POLICIES
+from sglang_kvsparse.sparse_state import LaneBuffers, SparseState
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))  # bench/ is a folder of scripts that import their siblings as `common.*`
@@ -74,3 +77,38 @@ def test_decode_steps_wait_for_nothing_and_launch_the_same_at_every_batch_size(p
         assert evicting and other, batch
         launches[batch] = (max(evicting), max(other))
     assert launches[1] == launches[6]
+
+
+def test_the_decode_rows_of_a_mixed_batch_are_on_the_host_already():
+    """SGLang's mixed chunk allocates a prefill and then the running requests' decode tokens, both
+    before the forward: the prefill's allocation keeps every running request's coming decode rows
+    on the host free list, so the decode allocation reads nothing back from SGLang's device list
+    (`decode_refills`); only prefills refill."""
+    config = dataclasses.replace(step_cost.SMALL_CONFIG, evict_page=4)
+    resolved = config.resolve(6, 4096)
+    allocator = step_cost.TokenAllocatorModel(8192, torch.device("cpu"))
+    heap = make_heap(allocator)
+    lanes = [LaneBuffers.over(torch.zeros(8193, 2, 16), torch.zeros(8193, 2, 16)) for _ in range(2)]
+    state = SparseState(resolved, heap=heap, lanes=lanes, max_requests=8, heap_rows=8192)
+    attach(allocator, state)
+
+    def grow(rows, lengths):
+        state.alloc_to_lengths(req_pool_indices_cpu=torch.tensor(rows), target_seq_lens_cpu=torch.tensor(lengths))
+
+    state.expect([1], [150])
+    grow([1], [100])  # a prefill: compressed to the budget, 40 entries
+    for length in range(101, 110):  # decode steps, with evictions
+        grow([1], [length])
+        plan_decode(state, [1])
+        state.finish_forward()
+    refills = heap.refills
+    state.expect([2], [300])
+    grow([2], [200])  # the next prefill's allocation ...
+    grow([1], [110])  # ... then the running request's decode token (mixed chunk)
+    plan_decode(state, [1])
+    state.finish_forward()
+    for length in range(111, 150):
+        grow([1, 2], [length, length + 90])
+        plan_decode(state, [1, 2])
+        state.finish_forward()
+    assert state.counters.decode_refills == 0 and heap.refills > refills
