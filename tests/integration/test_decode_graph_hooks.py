@@ -20,10 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from sglang_kvsparse.planning import plan_extend
 from sglang_kvsparse.policies import SnapKVPolicy
-from sglang_kvsparse.sparse_attention import sparse_extend
-from tests.unit.heap import H_KV, D, grow, make_state
+from tests.unit.heap import H_KV, D, grow, make_state, prefill_alone
 
 pytestmark = pytest.mark.integration
 
@@ -133,12 +131,7 @@ def test_replays_dispatch_what_was_captured_and_match_eager_decoding_with_evicti
             final[row] = prompt + int(torch.randint(10, 70, (1,), generator=gen))
             q, k, v = (torch.randn(prompt, h, D, generator=gen) for h in (H_KV * G, H_KV, H_KV))
             for state in (eager_state, graph_state):
-                state.expect([row], [final[row]])
-                grow(state, [row], [prompt])
-                plan = plan_extend(state, [row], [0], [prompt])
-                for slot in state.layout.sparse_slots.values():
-                    sparse_extend(q, k, v, 0.3, plan, plan.column(slot), state.lanes[slot.lane], state.policy)
-                state.finish_forward()
+                prefill_alone(state, row, final[row], q, k, v)
             lengths[row] = prompt
             continue
         rows = sorted(lengths)

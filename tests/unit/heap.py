@@ -147,6 +147,18 @@ def assert_device_tables_mirror_the_host(state):
             assert torch.equal(group.device_scores[row].long(), group.score_table[row]), row
 
 
+def prefill_alone(state: SparseState, row: int, final: int, q, k, v) -> None:
+    """A request of final length `final` joins in `row`: its prompt (q/k/v [prompt, H, D])
+    prefilled in a batch of its own, through every sparse layer."""
+    prompt = k.shape[0]
+    state.expect([row], [final])
+    grow(state, [row], [prompt])
+    plan = plan_extend(state, [row], [0], [prompt], device=state.lanes[0].k.device)
+    for slot in state.layout.sparse_slots.values():
+        sparse_extend(q, k, v, 0.3, plan, plan.column(slot), state.lanes[slot.lane], state.policy)
+    state.finish_forward()
+
+
 #: A decode step's sparse layers: (state, plan, q [B, H_q, D], k, v, positions [B]) -> outputs
 #: [layers, B, H_q, D].
 DecodeStep = Callable[[SparseState, ForwardPlan, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -188,13 +200,7 @@ def decode_lifecycle(
             row = free_rows[0]
             prompt = int(torch.randint(2, 30, (1,), generator=gen))
             final[row] = prompt + int(torch.randint(5, 80, (1,), generator=gen))
-            state.expect([row], [final[row]])
-            grow(state, [row], [prompt])
-            plan = plan_extend(state, [row], [0], [prompt], device=device)
-            q, k, v = inputs(prompt)
-            for slot in state.layout.sparse_slots.values():
-                sparse_extend(q, k, v, 0.3, plan, plan.column(slot), state.lanes[slot.lane], state.policy)
-            state.finish_forward()
+            prefill_alone(state, row, final[row], *inputs(prompt))
             lengths[row] = prompt
             continue
         rows = sorted(lengths)
