@@ -27,7 +27,6 @@ import argparse
 import datetime as dt
 import json
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 from common.checkout import ROOT, importable
+from common.report import provenance
 from torch.utils._python_dispatch import _disable_current_modes
 
 importable()
@@ -374,16 +374,6 @@ def summarize(run: Run, sparse_layers: int) -> dict[str, Any]:
         "sync_kinds_total": kinds,
         "host_ms_median": host,
     }
-
-
-def provenance(command: list[str]) -> dict[str, Any]:
-    """The commit this ran at, whether the tree was dirty, and the command."""
-
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
-        return done.stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")), "command": command}
 
 
 def markdown(report: dict[str, Any]) -> str:

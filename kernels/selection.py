@@ -137,20 +137,17 @@ def _shifted(x: torch.Tensor, shift: int) -> torch.Tensor:
 
 
 def _pool_mean(scores: torch.Tensor, kv_indptr: torch.Tensor, radius: int) -> torch.Tensor:
-    """Mean of each key's score and its in-request neighbours up to ``radius`` away."""
+    """Mean of each key's score and its in-request neighbours up to ``radius`` away: differences
+    of one running sum (in float64), so the cost does not grow with ``radius``."""
     total = scores.shape[0]
     if radius == 0 or total == 0:
         return scores.clone()
-    seg = segment_ids(kv_indptr, total)
+    sums = torch.cat([scores.new_zeros((1, scores.shape[1]), dtype=torch.float64), scores.double().cumsum(0)])
     index = torch.arange(total, device=scores.device)
-    pooled = scores.clone()
-    count = torch.ones(total, 1, dtype=scores.dtype, device=scores.device)
-    for shift in (shift for shift in range(-radius, radius + 1) if shift):
-        src = (index + shift).clamp(0, total - 1)
-        same = ((index + shift) == src) & (seg[src] == seg)
-        pooled = pooled + torch.where(same[:, None], scores[src], 0.0)
-        count = count + same[:, None].to(scores.dtype)
-    return pooled / count
+    first = index - positions_in_segment(kv_indptr, total).clamp(max=radius)
+    last = index + keys_after_in_segment(kv_indptr, total).clamp(max=radius)
+    count = (last - first + 1).to(torch.float64)[:, None]
+    return ((sums[last + 1] - sums[first]) / count).to(scores.dtype)
 
 
 def select_kept(

@@ -12,7 +12,10 @@ the request's entries); a request reusing a cached prefix pins the prefix's stor
 next chunk of a chunked prompt; once a chunk before its prompt's last is admitted, no other
 request starts a chunk in that round (SGLang tracks one chunked request). A request that would
 reuse much more of a prompt admitted in the same round waits for the next round
-(`AddReqResult.OTHER`: SGLang stops adding for this round without marking the batch full).
+(`AddReqResult.OTHER`: SGLang stops adding for this round without marking the batch full). A
+request whose own setting would be one more than `max_distinct_settings` among the running and
+admitted ones sits this round out and stays first in the queue (`AddReqResult.CONTINUE`: SGLang
+goes on to the next request).
 A fault in this per-request work fails the request alone (`patches/faults.py`).
 
 AFTER `ReqToTokenPool.alloc` (`expect_rows`): when SGLang gives admitted requests their rows, the
@@ -31,7 +34,7 @@ import torch
 from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResult
 
 from sglang_kvsparse.admission import AdmissionRound, running_growth
-from sglang_kvsparse.request_sparsity import RequestSparsity, parse_request
+from sglang_kvsparse.request_sparsity import SERVER_GROUPING, RequestSparsity, one_setting_too_many, parse_request
 
 from . import context, faults
 
@@ -99,6 +102,9 @@ def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any
     round_ = adder.__dict__.get(_ROUND) or _start_round(adder)
     token_ids, prefix = (), None
     if req.to_finish is None:  # one SGLang aborts prefills a single token: nothing to check or pin
+        if _one_setting_too_many(adder, req):
+            state.counters.setting_waits += 1
+            return AddReqResult.CONTINUE  # stays in the queue; SGLang goes on to the next request
         with faults.request_guard(req, "admission"):
             token_ids = req.origin_input_ids + req.output_ids if state.store is not None else ()
             if token_ids and round_.should_wait(token_ids, req.prefix_len):
@@ -120,6 +126,15 @@ def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any
     elif prefix is not None:
         state.unpin_prefix(prefix)
     return result
+
+
+def _one_setting_too_many(adder: Any, req: Any) -> bool:
+    """Whether the request's own setting would be one more than `max_distinct_settings` among
+    the running requests and those admitted this round."""
+    resolved = context.state().resolved
+    running = context.state().own_settings_running()
+    running |= {setting(other).grouping(resolved) for other in adder.can_run_list} - {SERVER_GROUPING}
+    return one_setting_too_many(setting(req), running, resolved)
 
 
 def admit_chunk(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:

@@ -31,6 +31,7 @@ from sglang_kvsparse.backends import BACKEND_OPTIONS, WRAPPED_BACKENDS
 from sglang_kvsparse.config import SparsityConfig
 from sglang_kvsparse.layout import HeapLayout, heap_rows, scores_per_row
 from sglang_kvsparse.model_support import unsupported_features
+from sglang_kvsparse.option_support import REFUSED, refusals
 from sglang_kvsparse.parallelism import parallelism_problems
 from sglang_kvsparse.sentences import SentenceMarks, sentence_end_tokens
 from sglang_kvsparse.sparse_state import LaneBuffers, SparseState
@@ -238,10 +239,7 @@ def check_guards(model: Any) -> None:
     args = get_server_args()
     problems = [f"the model has {feature}" for feature in unsupported_features(model.hf_config.to_dict())]
     problems += parallelism_problems(getattr(args, "pp_size", 1), bool(getattr(args, "enable_dp_attention", False)))
-    if getattr(args, "speculative_algorithm", None):
-        problems.append("speculative decoding is not supported with layer-wise sparsity")
-    if getattr(args, "kv_cache_dtype", "auto") not in ("auto", None):
-        problems.append(f"--kv-cache-dtype {args.kv_cache_dtype}: sparse layers need the model's dtype")
+    problems += refusals({option.field: getattr(args, option.field, None) for option in REFUSED})
     for option in BACKEND_OPTIONS:
         name = getattr(args, option, None)
         if name is not None and name not in WRAPPED_BACKENDS:

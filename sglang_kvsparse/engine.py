@@ -1,10 +1,10 @@
 """In-process engine with the plugin active: `sglang_kvsparse.Engine(**kwargs)`.
 
-It takes every `sglang.Engine` keyword argument, plus `kvsparse_config`, `kvsparse_preset`,
-`kvsparse_full_layers`, `kvsparse_budget`, `kvsparse_window` and `kvsparse_max_request_budget` (as
-the launcher's options), and applies the launcher's defaults: the embedded model when no
-`model_path` is given, and on a machine with no GPU the CPU engine, torch-native attention and a
-bounded KV pool.
+It takes every `sglang.Engine` keyword argument, plus the launcher's `--kvsparse-*` options as
+keyword arguments (`kvsparse_budget`, ...: `options.SPARSITY_OPTIONS`), and applies the launcher's
+defaults and refusals: the embedded model when no `model_path` is given, the SGLang options the
+sparse layers cannot serve refused (`option_support.py`), and on a machine with no GPU the CPU
+engine, torch-native attention and a bounded KV pool.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from sglang_kvsparse.models import ensure_default_model
 from sglang_kvsparse.options import (
     SPARSITY_OPTIONS,
     check_model,
+    check_sglang_options,
     export_to_processes,
     sparse_sglang_defaults,
     sparsity_from_args,
@@ -40,6 +41,7 @@ def Engine(**kwargs: Any):  # noqa: N802 - named like the sglang.Engine it retur
         check_model_path(kwargs["model_path"])
     config = sparsity_from_args(sparsity)
     check_model(config, kwargs["model_path"])
+    check_sglang_options(config, kwargs)
     export_to_processes(config)
     needed, notes = sparse_sglang_defaults(config, kwargs, cpu=not gpu_available())
     for note in notes:

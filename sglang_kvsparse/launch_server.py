@@ -7,7 +7,8 @@ Every ``sglang.launch_server`` argument passes through unchanged. On top of it:
 - no GPU: the CPU engine, the torch-native attention backend and a bounded KV pool are chosen,
   each one stated, and only where the user did not choose; with several ranks (`--tp-size`,
   `--dp-size`) each gets its share of the CPU cores (SGLang asks for one per rank);
-- a parallel setting the sparse layers cannot serve (`parallelism.py`) is refused up front;
+- a parallel setting (`parallelism.py`) or an SGLang option (`option_support.py`) the sparse
+  layers cannot serve is refused up front;
 - bad input (missing model folder, port in use, invalid sparsity option) is one line, exit 2.
 """
 
@@ -20,10 +21,12 @@ import sys
 from sglang_kvsparse.backends import BACKEND_OPTIONS
 from sglang_kvsparse.config import SparsityConfigError
 from sglang_kvsparse.models import ModelUnavailableError, ensure_default_model
+from sglang_kvsparse.option_support import REFUSED
 from sglang_kvsparse.options import (
     add_sparsity_arguments,
     check_model,
     check_parallelism,
+    check_sglang_options,
     export_to_processes,
     sparse_sglang_defaults,
     sparsity_from_args,
@@ -69,6 +72,11 @@ def _own_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cuda-graph-backend-decode", dest="cuda_graph_backend_decode")
     for option in BACKEND_OPTIONS:
         parser.add_argument("--" + option.replace("_", "-"), dest=option)
+    for refused in REFUSED:
+        if refused.takes_value:
+            parser.add_argument(refused.flag, dest=refused.field, nargs="*" if refused.flag == "--lora-paths" else None)
+        else:
+            parser.add_argument(refused.flag, dest=refused.field, action="store_true")
     return parser
 
 
@@ -107,6 +115,7 @@ def build_sglang_argv(argv: list[str]) -> list[str]:
         raise LaunchError(str(exc)) from None
     check_model(config, model_path)
     check_parallelism(config, own.pp_size, own.enable_dp_attention)
+    check_sglang_options(config, vars(own))
     export_to_processes(config)
     _say(f"sparsity: {config.describe()}")
     given = {

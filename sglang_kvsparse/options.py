@@ -15,6 +15,7 @@ import os
 from sglang_kvsparse.backends import backend_choices
 from sglang_kvsparse.config import PRESETS, SparsityConfig, SparsityConfigError, parse_config
 from sglang_kvsparse.model_support import check_supported, model_shape, read_config
+from sglang_kvsparse.option_support import refusals
 from sglang_kvsparse.parallelism import parallelism_problems
 from sglang_kvsparse.serving_defaults import LaunchError, ModelShape
 
@@ -58,6 +59,16 @@ def add_sparsity_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help='largest budget one request may ask for (custom_params {"kvsparse": {"budget": N}})',
     )
+    group.add_argument(
+        "--kvsparse-request-settings",
+        choices=("on", "off"),
+        help="whether a request may give its own sparsity setting (default: on)",
+    )
+    group.add_argument(
+        "--kvsparse-request-policies",
+        metavar="LIST",
+        help="policies a request may choose, e.g. snapkv,span, or none (default: all but h2o)",
+    )
 
 
 #: The sparsity options' names (as `argparse` and `sglang_kvsparse.Engine` spell them).
@@ -68,6 +79,8 @@ SPARSITY_OPTIONS = (
     "kvsparse_budget",
     "kvsparse_window",
     "kvsparse_max_request_budget",
+    "kvsparse_request_settings",
+    "kvsparse_request_policies",
 )
 
 
@@ -82,6 +95,8 @@ def sparsity_from_args(args: argparse.Namespace) -> SparsityConfig:
         budget=args.kvsparse_budget,
         window=args.kvsparse_window,
         max_request_budget=args.kvsparse_max_request_budget,
+        request_settings=args.kvsparse_request_settings,
+        request_policies=args.kvsparse_request_policies,
     )
 
 
@@ -106,6 +121,14 @@ def check_model(config: SparsityConfig, model_path: str) -> None:
 def check_parallelism(config: SparsityConfig, pp_size: int, dp_attention: bool) -> None:
     """With sparsity on, refuse the parallel settings the sparse layers cannot serve (one line)."""
     problems = parallelism_problems(pp_size, dp_attention) if config.enabled else []
+    if problems:
+        raise LaunchError("kvsparse: " + "; ".join(problems))
+
+
+def check_sglang_options(config: SparsityConfig, values: dict[str, object]) -> None:
+    """With sparsity on, refuse the SGLang options the sparse layers cannot serve
+    (`option_support.REFUSED`; `values`: `ServerArgs` field -> value), in one line."""
+    problems = refusals(values) if config.enabled else []
     if problems:
         raise LaunchError("kvsparse: " + "; ".join(problems))
 

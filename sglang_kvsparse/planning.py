@@ -238,6 +238,7 @@ def plan_extend(
         for group_columns in staged_columns
     )
     state.prefilled[index[~partial]] = True
+    state.counters.scoring_passes_peak = max(state.counters.scoring_passes_peak, len(policies) or 1)
     # The store took its rows: top the host free list up again to what the running requests'
     # decode steps will take (as the prefill's allocation did), so none waits on the device.
     state.heap.reserve(state.decode_reserve())
@@ -332,6 +333,7 @@ def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | 
             slots, score_slots = _old_entries(state, group, members_rows, olds)
             kinds.append((g, budget, policy, staging.add(slots), staging.add(score_slots)))
         state.counters.evictions += len(evicting)
+    state.counters.evictions_per_step_peak = max(state.counters.evictions_per_step_peak, len(kinds))
     policies = staging.policies(state, index)
     at_indptr = staging.add(_indptr(torch.ones(len(index), dtype=torch.int64)))
     get = staging.send(device)

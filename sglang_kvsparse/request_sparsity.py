@@ -13,8 +13,12 @@ scheduler:
   SGLang; its prompt plus max_new_tokens must be at most `max_request_budget`, so that its sparse
   rows hold it whole (they are sized by it).
 
-The HTTP process refuses a bad setting before the request is queued (`check_request`: a 400
-naming the field); admission charges each request the rows its own setting holds, and the sparse
+The server bounds what a request may ask: its own budget up to `max_request_budget`, a policy
+among `request_policies` with knobs in their ranges (the policies' own checks), per-request
+settings at all only with `request_settings`, and at most `max_distinct_settings` of them running
+at once (`one_setting_too_many`: a request with one more waits). The HTTP process refuses a bad
+setting before the request is queued (`check_request`: a 400 naming the field and the limit);
+admission charges each request the rows its own setting holds, and the sparse
 layers keep, compress and evict each request to its own budget by its own policy
 (`SparseState.expect`, `planning.PolicyGroup`).
 """
@@ -63,8 +67,24 @@ class RequestSparsity:
             return resolved.request_cap
         return self.budget or 0
 
+    def grouping(self, resolved: ResolvedSparsity) -> tuple[int, ScoringPolicy | None]:
+        """What the sparse layers group requests by (row budget, own policy): each distinct one
+        in a batch is a scoring pass at prefill and an eviction per step while decoding."""
+        return self.row_budget(resolved), self.policy
+
 
 SERVER_SETTING = RequestSparsity()
+#: The server's setting as `grouping` gives it.
+SERVER_GROUPING: tuple[int, ScoringPolicy | None] = (0, None)
+
+
+def one_setting_too_many(
+    setting: RequestSparsity, running: set[tuple[int, ScoringPolicy | None]], resolved: ResolvedSparsity
+) -> bool:
+    """Whether a request with `setting` would make the running requests' distinct own settings
+    (`running`, the server's excluded) more than `max_distinct_settings`: it waits."""
+    mine = setting.grouping(resolved)
+    return mine != SERVER_GROUPING and mine not in running and len(running) >= resolved.config.max_distinct_settings
 
 
 def parse_request(custom_params: Any, resolved: ResolvedSparsity) -> RequestSparsity:
@@ -73,6 +93,9 @@ def parse_request(custom_params: Any, resolved: ResolvedSparsity) -> RequestSpar
     if not isinstance(custom_params, dict) or custom_params.get(REQUEST_KEY) is None:
         return SERVER_SETTING
     value = custom_params[REQUEST_KEY]
+    config = resolved.config
+    if not config.request_settings:
+        raise ValueError(f"{FIELD}: per-request settings are off on this server (--kvsparse-request-settings off)")
     if not isinstance(value, dict):
         raise ValueError(f'{FIELD}: expected an object such as {{"budget": 256}}, got {value!r}')
     for key in value:
@@ -86,7 +109,13 @@ def parse_request(custom_params: Any, resolved: ResolvedSparsity) -> RequestSpar
         raise ValueError(f"{FIELD}: enabled: false keeps every token; give it without budget or policy")
     if policy is not None:
         policy = parse_policy(policy, f"{FIELD}.policy")
-        allowed = resolved.config.policy.queries_before_window()
+        if policy.name not in config.request_policies:
+            choices = ", ".join(config.request_policies) or "none"
+            raise ValueError(
+                f"{FIELD}.policy: {policy.name!r} is not one a request may choose on this server (allowed: "
+                f"{choices}; --kvsparse-request-policies)"
+            )
+        allowed = config.policy.queries_before_window()
         if policy.queries_before_window() > allowed:
             raise ValueError(
                 f"{FIELD}.policy.reach: at most {allowed} on this server (its policy's: the queries before "
@@ -94,7 +123,6 @@ def parse_request(custom_params: Any, resolved: ResolvedSparsity) -> RequestSpar
             )
     if budget is None:
         return RequestSparsity(policy=policy, enabled=enabled)
-    config = resolved.config
     if not is_int(budget):
         raise ValueError(f"{FIELD}.budget: expected an integer, got {budget!r}")
     if budget < config.protected:

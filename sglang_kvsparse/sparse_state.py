@@ -46,7 +46,7 @@ from sglang_kvsparse.layout import GroupSpec, HeapLayout, round_up, scores_per_r
 from sglang_kvsparse.policies import ScoringPolicy
 from sglang_kvsparse.prefix_store import PrefixStore
 from sglang_kvsparse.released_ids import ReleasedIds
-from sglang_kvsparse.request_sparsity import SERVER_SETTING, RequestSparsity
+from sglang_kvsparse.request_sparsity import SERVER_GROUPING, SERVER_SETTING, RequestSparsity
 from sglang_kvsparse.row_table import HeapError, HeapExhausted, RowTable
 from sglang_kvsparse.sentences import SentenceMarks
 
@@ -159,6 +159,13 @@ class Counters:
     #: Copies of SGLang's free ids to the host made while allocating a decode step (the host
     #: free list ran short of the running requests' reserve: memory pressure).
     decode_refills: int = 0
+    #: Admissions put off because the request's own setting would have made one more than
+    #: `max_distinct_settings` among the running requests (it waits for one of them to finish).
+    setting_waits: int = 0
+    #: The most scoring passes one prefill forward made (one per policy among its requests),
+    #: and the most evictions one decode step ran (one per group and (budget, policy)).
+    scoring_passes_peak: int = 0
+    evictions_per_step_peak: int = 0
     #: Requests given rows, by their setting's label (`RequestSparsity.label`); a retracted
     #: request counts again when it is readmitted.
     requests_by_setting: dict[str, int] = field(default_factory=dict)
@@ -455,6 +462,13 @@ class SparseState:
             self.store.unpin(prefix_ids)
 
     # -- queries -------------------------------------------------------------------------
+    def own_settings_running(self) -> set[tuple[int, ScoringPolicy | None]]:
+        """The distinct own settings (row budget, policy) of the running requests, as the sparse
+        layers group them (`RequestSparsity.grouping`); the server's is not one."""
+        rows = torch.nonzero(self.running).flatten().tolist()
+        settings = {(int(self.request_budget[row]), self.request_policy[row]) for row in rows}
+        return settings - {SERVER_GROUPING}
+
     def requests_running(self) -> int:
         return int(self.running.sum())
 

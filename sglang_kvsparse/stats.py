@@ -91,6 +91,12 @@ class SparseStats:
     release_waits: int
     #: Decode steps run eagerly where a captured graph could not serve them.
     eager_decode_steps: int
+    #: The work requests' own settings cost, within `max_distinct_settings`: admission rounds a
+    #: request sat out for a setting one too many, the most scoring passes of one prefill and the
+    #: most evictions of one decode step (peaks: with several replicas, the first one's).
+    setting_waits: int
+    scoring_passes_peak: int
+    evictions_per_step_peak: int
     #: Sentence-ending tokens among the keys of the prefills that keep entries, cached prefixes
     #: included (0 without a tokenizer, `--skip-tokenizer-init`: its start-up log says so).
     prefill_sentence_ends: int
@@ -165,6 +171,9 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
         heap_refills=state.heap.refills,
         release_waits=state.counters.release_waits,
         eager_decode_steps=state.counters.eager_decode_steps,
+        setting_waits=state.counters.setting_waits,
+        scoring_passes_peak=state.counters.scoring_passes_peak,
+        evictions_per_step_peak=state.counters.evictions_per_step_peak,
         prefill_sentence_ends=0 if state.sentence_marks is None else int(state.sentence_marks.counted),
         requests_by_setting=dict(state.counters.requests_by_setting),
     )
@@ -187,6 +196,7 @@ _REQUEST_COUNTS = (
     "heap_refills",
     "release_waits",
     "eager_decode_steps",
+    "setting_waits",
     "prefill_sentence_ends",
 )
 _HEAP_COUNTS = ("rows_total", "free", "full_running", "full_cached", "sparse", "prefix_store", "evicting", "releasing")

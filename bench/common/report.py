@@ -7,10 +7,14 @@ value that was not measured is shown as "—" (never a placeholder number).
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+#: The checkout, whose commit a report records.
+ROOT = Path(__file__).resolve().parents[2]
 
 #: Metrics compared between systems: (key in a run row, column title).
 METRICS: tuple[tuple[str, str], ...] = (
@@ -64,6 +68,17 @@ def ratio_rows(systems: Sequence[dict[str, Any]], baseline: str) -> list[dict[st
                 row[key] = mine / theirs if mine is not None and theirs else None
             rows.append(row)
     return rows
+
+
+def provenance(command: list[str]) -> dict[str, Any]:
+    """The commit a report was made at, whether the tree was dirty (uncommitted changes), and the
+    command: every result JSON carries it."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return done.stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")), "command": command}
 
 
 def write_json(paths: ReportPaths, report: dict[str, Any]) -> None:

@@ -35,6 +35,8 @@ def parse_config(
     budget: int | str | None = None,
     window: int | str | None = None,
     max_request_budget: int | str | None = None,
+    request_settings: str | None = None,
+    request_policies: str | None = None,
 ) -> SparsityConfig:
     """Build the config from a preset, then `--kvsparse-config` JSON, then short flags.
 
@@ -42,6 +44,8 @@ def parse_config(
     for none. preset: a PRESETS name; None means DEFAULT_PRESET. full_layers: "0,1" (the flag's
     text; "" for none) or a sequence of ints. budget: sets the average budget: it replaces a
     uniform or explicit-list budget by a uniform one and keeps a pyramid's shape (min_ratio).
+    request_settings: "on" or "off". request_policies: "snapkv,span" (the flag's text; "none"
+    for none).
     Flags given as None are not set. Unknown JSON keys, bad types and invalid values raise
     SparsityConfigError naming the option. A flag, or a JSON key in a JSON without `enabled`,
     that sets a knob while the result is disabled is an error, so `--kvsparse-preset off
@@ -65,7 +69,14 @@ def parse_config(
             if "enabled" not in data:
                 explicit.append(label)
 
-    flags = {"full_layers": full_layers, "budget": budget, "window": window, "max_request_budget": max_request_budget}
+    flags = {
+        "full_layers": full_layers,
+        "budget": budget,
+        "window": window,
+        "max_request_budget": max_request_budget,
+        "request_settings": request_settings,
+        "request_policies": request_policies,
+    }
     for name, raw in flags.items():
         if raw is None:
             continue
@@ -74,6 +85,10 @@ def parse_config(
             values[name] = _parse_layer_list(raw, label)
         elif name == "budget":
             values[name] = _apply_budget_flag(values["budget"], _parse_flag_int(raw, label))
+        elif name == "request_settings":
+            values[name] = _parse_on_off(raw, label)
+        elif name == "request_policies":
+            values[name] = () if raw.strip() == "none" else tuple(part.strip() for part in raw.split(","))
         else:
             values[name] = _parse_flag_int(raw, label)
         origins[name] = label
@@ -136,6 +151,10 @@ def _json_value(name: str, value: Any, label: str) -> Any:
         return _json_budget(value, label)
     if name == "policy":
         return parse_policy(value, label)
+    if name == "request_policies":
+        if not isinstance(value, list):
+            raise SparsityConfigError(f"{label}: expected a list of policy names, got {value!r}")
+        return tuple(value)
     return value
 
 
@@ -172,6 +191,12 @@ def _parse_flag_int(raw: int | str, label: str) -> int:
         return int(str(raw).strip())
     except ValueError:
         raise SparsityConfigError(f"{label}: expected an integer, got {raw!r}") from None
+
+
+def _parse_on_off(raw: str, label: str) -> bool:
+    if raw not in ("on", "off"):
+        raise SparsityConfigError(f"{label}: expected on or off, got {raw!r}")
+    return raw == "on"
 
 
 def _apply_budget_flag(current: BudgetSpec, tokens: int) -> BudgetSpec:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_kvsparse.config.resolved import ResolvedSparsity
-from sglang_kvsparse.policies import ScoringPolicy, SnapKVPolicy
+from sglang_kvsparse.policies import POLICIES, ScoringPolicy, SnapKVPolicy
 
 # Option labels used in error messages. Fields with a short flag are named by the flag when the
 # value came from it; otherwise by where it came from (JSON or preset) plus the JSON key.
@@ -22,7 +22,14 @@ FLAG_OF_FIELD: dict[str, str] = {
     "budget": "--kvsparse-budget",
     "window": "--kvsparse-window",
     "max_request_budget": "--kvsparse-max-request-budget",
+    "request_settings": "--kvsparse-request-settings",
+    "request_policies": "--kvsparse-request-policies",
 }
+
+#: The policies a request may choose by default: all but `h2o`, whose prefill scores with every
+#: query of the prompt (a second attention pass, and on the CPU a [queries, keys] matrix per
+#: head), so one request's choice costs every request in its batch.
+REQUEST_POLICIES: tuple[str, ...] = tuple(sorted(name for name in POLICIES if name != "h2o"))
 
 
 class SparsityConfigError(ValueError):
@@ -104,6 +111,15 @@ class SparsityConfig:
                    request is at least this share of its prompt keeps that request's entries by
                    its own scores; None: the guide chooses at every budget. No effect without
                    guide_from.
+      request_settings
+                   whether a request may give its own setting (`custom_params`); False refuses
+                   one with a 400.
+      request_policies
+                   the policies a request may choose by name (empty: none).
+      max_distinct_settings
+                   the most distinct own settings among the requests a scheduler runs at once:
+                   each costs a batch a scoring pass at prefill and an eviction per step, so a
+                   request with one more waits until one of them finishes.
     """
 
     enabled: bool = True
@@ -116,6 +132,9 @@ class SparsityConfig:
     max_request_budget: int | None = None
     guide_from: float | None = None
     guide_below: float | None = None
+    request_settings: bool = True
+    request_policies: tuple[str, ...] = REQUEST_POLICIES
+    max_distinct_settings: int = 4
     # Where each field's value came from, for error messages: ((field, option label), ...).
     origins: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
@@ -124,6 +143,8 @@ class SparsityConfig:
         # full layers are stored sorted.
         if isinstance(self.budget, list):
             object.__setattr__(self, "budget", tuple(self.budget))
+        if isinstance(self.request_policies, list):
+            object.__setattr__(self, "request_policies", tuple(self.request_policies))
         if isinstance(self.full_layers, (list, tuple)):
             layers = tuple(self.full_layers)
             if all(is_int(layer) for layer in layers):
@@ -173,6 +194,20 @@ class SparsityConfig:
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
             raise self._fail("guide_below", f"expected null or a share of the prompt in (0, 1], got {share!r}")
         self._validate_budget_shape()
+        self._validate_requests()
+
+    def _validate_requests(self) -> None:
+        if not isinstance(self.request_settings, bool):
+            raise self._fail("request_settings", f"expected true or false, got {self.request_settings!r}")
+        if not isinstance(self.request_policies, tuple):
+            raise self._fail("request_policies", f"expected a list of policy names, got {self.request_policies!r}")
+        for name in self.request_policies:
+            if name not in POLICIES:
+                raise self._fail("request_policies", f"unknown policy {name!r} (known: {', '.join(sorted(POLICIES))})")
+        dup = _first_duplicate(self.request_policies)
+        if dup is not None:
+            raise self._fail("request_policies", f"policy {dup!r} is listed twice")
+        self._check_int("max_distinct_settings", self.max_distinct_settings, 1)
 
     def _validate_budget_shape(self) -> None:
         budget = self.budget
@@ -291,6 +326,9 @@ class SparsityConfig:
             "max_request_budget": self.max_request_budget,
             "guide_from": self.guide_from,
             "guide_below": self.guide_below,
+            "request_settings": self.request_settings,
+            "request_policies": list(self.request_policies),
+            "max_distinct_settings": self.max_distinct_settings,
         }
 
     def describe(self) -> str:
@@ -305,6 +343,8 @@ class SparsityConfig:
             budget = f"budget {self.budget}"
         full = ",".join(map(str, self.full_layers)) or "none"
         requests = "" if self.max_request_budget is None else f"; requests may ask up to {self.max_request_budget}"
+        if not self.request_settings:
+            requests += "; no per-request settings"
         guide = "" if self.guide_from is None else f"; prefill guided from {self.guide_from:g} of the depth"
         if guide and self.guide_below is not None:
             guide += f" while the budget is below {self.guide_below:g} of the prompt"

@@ -13,11 +13,20 @@ from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
 #: Pooling applied to per-key scores before top-k selection.
 POOL_KINDS: tuple[str, ...] = ("max", "avg")
 
+#: The upper bounds of the knobs, for the server's configuration and a request's own policy
+#: alike: the pooling and spreading widths cost a few operations per doubling of their width,
+#: the queries before the window cost attention work per query, and every knob is a tensor
+#: index or comparison somewhere, where an unbounded integer overflows. Far above any value
+#: measured to help (docs/config.md).
+WIDEST_POOL = 127
+LONGEST_REACH = 256
 
-def require_count(knob: str, value: object, minimum: int = 0) -> None:
-    """ValueError("<knob>: ...") unless `value` is an integer >= `minimum` (not a bool)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{knob}: expected an integer >= {minimum}, got {value!r}")
+
+def require_count(knob: str, value: object, minimum: int = 0, maximum: int = 1 << 20) -> None:
+    """ValueError("<knob>: ...") unless `value` is an integer in [`minimum`, `maximum`] (not a
+    bool)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
+        raise ValueError(f"{knob}: expected an integer from {minimum} to {maximum}, got {value!r}")
 
 
 def require_share(knob: str, value: object) -> None:
@@ -54,12 +63,10 @@ class SnapKVPolicy(ScoringPolicy):
     def __post_init__(self) -> None:
         if self.pool_kind not in POOL_KINDS:
             raise ValueError(f"pool_kind: unknown pool kind {self.pool_kind!r} (known: {', '.join(POOL_KINDS)})")
-        kernel = self.pool_kernel
-        if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel < 1:
-            raise ValueError(f"pool_kernel: expected an odd integer >= 1, got {kernel!r}")
-        if kernel % 2 == 0:
-            raise ValueError(f"pool_kernel: must be odd, got {kernel}")
-        require_count("reach", self.reach)
+        require_count("pool_kernel", self.pool_kernel, 1, WIDEST_POOL)
+        if self.pool_kernel % 2 == 0:
+            raise ValueError(f"pool_kernel: must be odd, got {self.pool_kernel}")
+        require_count("reach", self.reach, 0, LONGEST_REACH)
         require_share("reach_weight", self.reach_weight)
 
     def queries_before_window(self) -> int:

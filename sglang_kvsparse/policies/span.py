@@ -12,6 +12,12 @@ from sglang_kvsparse.policies.base import PrefillScoringInputs
 from sglang_kvsparse.policies.snapkv import SnapKVPolicy, require_count, require_share
 from sglang_kvsparse.sentences import raise_to_sentence_best, sentence_numbers
 
+#: Upper bounds of the knobs (as `snapkv.WIDEST_POOL`): a follow costs a few operations per
+#: doubling of its length, places and sentence lengths none that grow with them.
+LONGEST_FOLLOW = 256
+MOST_PLACES = 8
+LONGEST_SENTENCE = 1024
+
 
 @dataclass(frozen=True)
 class SpanPolicy(SnapKVPolicy):
@@ -51,11 +57,11 @@ class SpanPolicy(SnapKVPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require_count("follow", self.follow)
-        require_count("long_follow", self.long_follow)
-        require_count("long_places", self.long_places)
+        require_count("follow", self.follow, 0, LONGEST_FOLLOW)
+        require_count("long_follow", self.long_follow, 0, LONGEST_FOLLOW)
+        require_count("long_places", self.long_places, 0, MOST_PLACES)
         require_share("sentence", self.sentence)
-        require_count("sentence_keys", self.sentence_keys, minimum=1)
+        require_count("sentence_keys", self.sentence_keys, 1, LONGEST_SENTENCE)
         require_count("sentence_from", self.sentence_from)
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:

@@ -11,7 +11,10 @@ only those the collected tests ask for (CI's tier needs five; `make test-extende
   requests whose rid says so (`FAULT_INJECTION`);
 - "uncached": the default preset as a user starts it with `--disable-radix-cache` and nothing
   about chunks, so SGLang chunks at its own default size;
-- "stock": stock SGLang.
+- "stock": stock SGLang;
+- "options" and "options_stock": the lossless sparse server and stock SGLang, both with the SGLang
+  options that change pages, admission and the radix tree's order (`OPTION_ARGS`,
+  `option_support.SERVED`).
 
 All serve the embedded default model in float32 with the same KV pool, so any difference in their
 greedy outputs is the project's doing. All but "unchunked" and "uncached" prefill in chunks of
@@ -51,8 +54,10 @@ SPARSE_CONTEXT = 4608
 #: optimistic (`RETRACTING_ENV`) forces retractions. Custom logit processors are on for the
 #: teacher-forcing test (`test_chunked.py`).
 EVICTING_BUDGET = 256
-#: The largest budget one of its requests may ask for (`test_request_settings.py`).
+#: The largest budget one of its requests may ask for, and the policies they may choose (h2o
+#: beside the default's choices but keynorm and streamingllm) (`test_request_settings.py`).
 EVICTING_MAX_REQUEST_BUDGET = 1024
+EVICTING_REQUEST_POLICIES = ("h2o", "snapkv", "span", "tova")
 EVICTING_ARGS = [
     "--dtype",
     "float32",
@@ -64,9 +69,29 @@ EVICTING_ARGS = [
     str(EVICTING_BUDGET),
     "--kvsparse-max-request-budget",
     str(EVICTING_MAX_REQUEST_BUDGET),
+    "--kvsparse-request-policies",
+    ",".join(EVICTING_REQUEST_POLICIES),
     "--enable-metrics",
     "--enable-cache-report",
     "--enable-custom-logit-processor",
+]
+#: SGLang options served with sparse layers (`option_support.SERVED`) that no other server sets:
+#: pages of 4 tokens, at most 3 running requests, prefills of at most 1,024 tokens, longest
+#: prefix first, the radix tree evicting least frequently used first, admission twice as
+#: conservative.
+OPTION_ARGS = [
+    "--page-size",
+    "4",
+    "--max-running-requests",
+    "3",
+    "--max-prefill-tokens",
+    "1024",
+    "--schedule-policy",
+    "lpm",
+    "--radix-eviction-policy",
+    "lfu",
+    "--schedule-conservativeness",
+    "2.0",
 ]
 #: `patches/faults.py`: requests with these rid prefixes fail in the sparse admission / prefix match.
 FAULT_ADMISSION_RID, FAULT_MATCH_RID = "kvsparse-fault-admission-", "kvsparse-fault-match-"
@@ -86,6 +111,8 @@ SERVER_FIXTURES = {
     "unchunked": "unchunked_server",
     "uncached": "uncached_server",
     "stock": "stock_server",
+    "options": "options_server",
+    "options_stock": "options_stock_server",
 }
 
 
@@ -120,6 +147,14 @@ def servers(request, model_path, tmp_path_factory):
             server_env(),
         ),
         "stock": ([PYTHON, "-m", "sglang.launch_server", *stock_args], stock_env),
+        "options": (
+            [*launcher, *COMMON_ARGS, *LOSSLESS_SPARSITY, "--context-length", str(SPARSE_CONTEXT), *OPTION_ARGS],
+            server_env(),
+        ),
+        "options_stock": (
+            [PYTHON, "-m", "sglang.launch_server", *stock_args, "--context-length", str(SPARSE_CONTEXT), *OPTION_ARGS],
+            stock_env,
+        ),
     }
     wanted = servers_asked_for(request.session.items)
     started = {name: Server(name, argv, log_dir, env) for name, (argv, env) in commands.items() if name in wanted}
@@ -160,3 +195,13 @@ def uncached_server(servers) -> Server:
 @pytest.fixture(scope="session")
 def stock_server(servers) -> Server:
     return servers["stock"]
+
+
+@pytest.fixture(scope="session")
+def options_server(servers) -> Server:
+    return servers["options"]
+
+
+@pytest.fixture(scope="session")
+def options_stock_server(servers) -> Server:
+    return servers["options_stock"]

@@ -102,6 +102,18 @@ def test_a_running_request_holds_what_its_own_setting_keeps(evicting_server):
         ({"kvsparse": {"budgets": 64}}, "custom_params.kvsparse: unknown key 'budgets'"),
         ({"kvsparse": "off"}, "custom_params.kvsparse: expected an object"),
         ({"kvsparse": {"policy": "lru"}}, "custom_params.kvsparse.policy: unknown policy 'lru'"),
+        (
+            {"kvsparse": {"policy": "keynorm"}},
+            "custom_params.kvsparse.policy: 'keynorm' is not one a request may choose on this server (allowed: h2o,",
+        ),
+        (
+            {"kvsparse": {"policy": {"name": "snapkv", "pool_kind": "avg", "pool_kernel": 20001}}},
+            "custom_params.kvsparse.policy.pool_kernel: expected an integer from 1 to 127, got 20001",
+        ),
+        (
+            {"kvsparse": {"policy": {"name": "span", "follow": 10**30}}},
+            "custom_params.kvsparse.policy.follow: expected an integer from 0 to 256, got 1" + "0" * 30,
+        ),
     ],
 )
 def test_a_bad_setting_is_a_400_naming_the_field(evicting_server, custom_params, message):

@@ -49,6 +49,8 @@ def test_port_in_use():
         (["--kvsparse-preset", "off", "--kvsparse-budget", "512"], "has no effect while sparsity is off"),
         (["--pp-size", "2"], "--pp-size 2: pipeline parallelism would split a column of sparse layers"),
         (["--tp-size", "2", "--enable-dp-attention"], "--enable-dp-attention: attention ranks holding"),
+        (["--enable-hierarchical-cache"], "--enable-hierarchical-cache: copies the KV pool's rows to host memory"),
+        (["--kvsparse-request-policies", "span,lru"], "--kvsparse-request-policies: unknown policy 'lru'"),
     ],
 )
 def test_invalid_sparsity_option(args, expected):

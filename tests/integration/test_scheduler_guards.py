@@ -5,9 +5,12 @@ otherwise have an MHA heap sized from its latent cache."""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
+
+from sglang_kvsparse.option_support import REFUSED
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +49,17 @@ def test_a_model_the_sparse_layers_cannot_serve_is_refused_in_the_scheduler(memo
 
 def test_a_plain_model_passes_the_scheduler_guard(memory):
     memory.check_guards(_model(LLAMA))
+
+
+@pytest.mark.parametrize("refused", REFUSED, ids=lambda option: option.flag)
+def test_an_sglang_option_the_sparse_layers_cannot_serve_is_refused_in_the_scheduler(memory, server_args, refused):
+    """However the server was started (`sglang.Engine` takes no launcher), each refused option in
+    use stops the scheduler with the table's line; at its unused value it passes."""
+    setattr(server_args, refused.field, refused.unused[0] if refused.unused else False)
+    memory.check_guards(_model(LLAMA))
+    setattr(server_args, refused.field, "x" if refused.takes_value else True)
+    with pytest.raises(memory.KVSparseStartupError, match=re.escape(refused.line(getattr(server_args, refused.field)))):
+        memory.check_guards(_model(LLAMA))
 
 
 def test_tensor_and_data_parallelism_pass_pipeline_parallelism_is_refused(memory, server_args):

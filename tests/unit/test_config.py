@@ -184,19 +184,23 @@ def test_bad_model_shape():
 def test_direct_construction_is_validated_and_normalized():
     with pytest.raises(ValueError, match="pool_kernel: must be odd"):
         SnapKVPolicy(pool_kernel=4)
-    with pytest.raises(ValueError, match="reach: expected an integer >= 0"):
+    with pytest.raises(ValueError, match="pool_kernel: expected an integer from 1 to 127, got 20001"):
+        SnapKVPolicy(pool_kernel=20001)
+    with pytest.raises(ValueError, match="follow: expected an integer from 0 to 256, got 1000000000000000000000"):
+        SpanPolicy(follow=10**21)
+    with pytest.raises(ValueError, match="reach: expected an integer from 0 to 256, got -1"):
         SnapKVPolicy(reach=-1)
     with pytest.raises(ValueError, match=r"reach_weight: expected a number in \[0, 1\]"):
         SnapKVPolicy(reach_weight=2)
-    with pytest.raises(ValueError, match="long_follow: expected an integer >= 0"):
+    with pytest.raises(ValueError, match="long_follow: expected an integer from 0 to 256"):
         SpanPolicy(long_follow=-2)
-    with pytest.raises(ValueError, match="long_places: expected an integer >= 0"):
+    with pytest.raises(ValueError, match="long_places: expected an integer from 0 to 8"):
         SpanPolicy(long_places=True)
     with pytest.raises(ValueError, match=r"sentence: expected a number in \[0, 1\]"):
         SpanPolicy(sentence=1.5)
-    with pytest.raises(ValueError, match="sentence_keys: expected an integer >= 1"):
+    with pytest.raises(ValueError, match="sentence_keys: expected an integer from 1 to 1024"):
         SpanPolicy(sentence_keys=0)
-    with pytest.raises(ValueError, match="sentence_from: expected an integer >= 0"):
+    with pytest.raises(ValueError, match="sentence_from: expected an integer from 0 to"):
         SpanPolicy(sentence_from=-1)
     with pytest.raises(SparsityConfigError, match="policy: expected a scoring policy"):
         SparsityConfig(policy="snapkv")

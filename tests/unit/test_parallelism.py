@@ -53,6 +53,7 @@ def _rank(requests: int, free: int, kv_bytes: int) -> dict:
         "forward_plans": 10,
         "evictions": requests,
         **{name: 0 for name in ("host_syncs", "decode_refills", "release_waits", "eager_decode_steps")},
+        "setting_waits": 0,
         "heap_refills": requests,
         "prefill_sentence_ends": 4 * requests,
         "requests_by_setting": {"server": requests, f"budget {requests}": 1},

@@ -2,6 +2,7 @@
 requests with different settings in one batch of the sparse state, without SGLang."""
 
 import json
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -11,14 +12,22 @@ from sglang_kvsparse.config import SparsityConfig, SparsityConfigError, parse_co
 from sglang_kvsparse.decode_graph import DecodeBuffers
 from sglang_kvsparse.planning import plan_decode, plan_extend
 from sglang_kvsparse.policies import POLICIES, SnapKVPolicy, SpanPolicy
-from sglang_kvsparse.request_sparsity import SERVER_SETTING, RequestSparsity, check_request, parse_request
+from sglang_kvsparse.request_sparsity import (
+    SERVER_SETTING,
+    RequestSparsity,
+    check_request,
+    one_setting_too_many,
+    parse_request,
+)
 from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
 from sglang_kvsparse.stats import collect
 
 from .heap import H_KV, D, grow, make_state
 
 G = 2  # query heads per KV head
-RESOLVED = SparsityConfig(full_layers=(0,), budget=64, sink=4, window=16, max_request_budget=512).resolve(4, 4096)
+RESOLVED = SparsityConfig(
+    full_layers=(0,), budget=64, sink=4, window=16, max_request_budget=512, request_policies=tuple(POLICIES)
+).resolve(4, 4096)
 
 
 def test_a_request_without_a_setting_keeps_the_servers():
@@ -59,7 +68,10 @@ def test_a_request_asks_for_its_own_budget_or_for_no_sparsity():
             "custom_params.kvsparse: enabled: false keeps every token; give it without",
         ),
         ({"policy": "lru"}, "custom_params.kvsparse.policy: unknown policy 'lru' (known: h2o, keynorm, snapkv, span,"),
-        ({"policy": {"name": "span", "follow": -1}}, "custom_params.kvsparse.policy.follow: expected an integer >= 0"),
+        (
+            {"policy": {"name": "span", "follow": -1}},
+            "custom_params.kvsparse.policy.follow: expected an integer from 0 to 256",
+        ),
         ({"policy": {"follow": 8}}, "custom_params.kvsparse.policy: expected a policy name or an object with a 'name'"),
         ({"policy": "span"}, "custom_params.kvsparse.policy.reach: at most 0 on this server (its policy's"),
     ],
@@ -68,6 +80,35 @@ def test_a_bad_setting_is_refused_naming_the_field(value, message):
     with pytest.raises(ValueError) as error:
         check_request({"kvsparse": value}, 100, 10, RESOLVED)
     assert str(error.value).startswith(message)
+
+
+def test_the_server_chooses_which_policies_a_request_may_pick_and_whether_it_may_ask_at_all():
+    """By default every policy but h2o; `--kvsparse-request-policies none` none; and
+    `--kvsparse-request-settings off` refuses any setting, naming the option that allows it."""
+    default = parse_config(full_layers="0", budget=64).resolve(4, 4096)
+    assert parse_request({"kvsparse": {"policy": "tova"}}, default).policy.name == "tova"
+    with pytest.raises(ValueError, match=r"'h2o' is not one a request may choose on this server \(allowed: keynorm"):
+        parse_request({"kvsparse": {"policy": "h2o"}}, default)
+    none = parse_config(full_layers="0", budget=64, request_policies="none").resolve(4, 4096)
+    with pytest.raises(ValueError, match=r"\(allowed: none; --kvsparse-request-policies\)"):
+        parse_request({"kvsparse": {"policy": "span"}}, none)
+    assert parse_request({"kvsparse": {"budget": 40}}, none).budget == 40
+    off = parse_config(full_layers="0", budget=64, request_settings="off").resolve(4, 4096)
+    with pytest.raises(ValueError, match=r"settings are off on this server \(--kvsparse-request-settings off\)"):
+        parse_request({"kvsparse": {"budget": 40}}, off)
+    assert parse_request({"other": 1}, off) == SERVER_SETTING
+    chosen = parse_config(full_layers="0", budget=64, request_policies="h2o, tova")
+    assert chosen.request_policies == ("h2o", "tova")
+    assert parse_config(json.dumps(chosen.to_dict())) == chosen
+    for flags, message in (
+        ({"request_policies": "span,lru"}, "--kvsparse-request-policies: unknown policy 'lru'"),
+        ({"request_policies": "span,span"}, "--kvsparse-request-policies: policy 'span' is listed twice"),
+        ({"request_settings": "maybe"}, "--kvsparse-request-settings: expected on or off, got 'maybe'"),
+    ):
+        with pytest.raises(SparsityConfigError, match=re.escape(message)):
+            parse_config(full_layers="0", budget=64, **flags)
+    with pytest.raises(SparsityConfigError, match="max_distinct_settings: must be >= 1, got 0"):
+        parse_config('{"max_distinct_settings": 0}')
 
 
 def test_sparsity_off_needs_the_whole_request_within_the_servers_largest_budget():
@@ -126,6 +167,7 @@ def test_requests_with_different_settings_in_one_batch_each_keep_their_own():
     grow(state, rows, [prompt] * 3)
     assert group.table.lengths[rows].tolist() == [8, 12, 20]
     assert [state.rows_held(row) for row in rows] == [3 * (8 + 3), 3 * (12 + 4), 3 * 20]
+    assert state.own_settings_running() == {(12, None), (40, None)}  # off keeps the largest request budget
     plan = forward_prefill(state, rows, [prompt] * 3)
     column = plan.column(state.layout.sparse_slots[1])
     assert column.compress and column.budgets.tolist() == [8, 12, 40]
@@ -153,6 +195,20 @@ def test_requests_with_different_settings_in_one_batch_each_keep_their_own():
     state.free(2)
     state.finish_forward()
     assert heap.free_rows() == 512
+
+
+def test_a_request_with_one_own_setting_too_many_waits():
+    """With `max_distinct_settings` 2 and two own settings running, a third waits; one of the two
+    again, or the server's, does not (the server's is never counted)."""
+    resolved = parse_config('{"max_distinct_settings": 2, "request_policies": ["tova"]}', full_layers="0", budget=64)
+    resolved = resolved.resolve(4, 4096)
+    first, second, third = (parse_request({"kvsparse": {"budget": n}}, resolved) for n in (40, 48, 56))
+    tova = parse_request({"kvsparse": {"budget": 40, "policy": "tova"}}, resolved)
+    assert not one_setting_too_many(first, set(), resolved)
+    running = {first.grouping(resolved), second.grouping(resolved)}
+    assert one_setting_too_many(third, running, resolved) and one_setting_too_many(tova, running, resolved)
+    assert not one_setting_too_many(first, running, resolved)
+    assert not one_setting_too_many(SERVER_SETTING, running, resolved)
 
 
 @dataclass(frozen=True)
