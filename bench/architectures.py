@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from common.report import ReportPaths
+from common.report import ReportPaths, provenance_line, write_json
 from common.systems import ServerSettings, server_for, shared_server_args
 
 from kvsparse_testbed.dummy_models import SHAPES, write_dummy_model
@@ -123,9 +123,10 @@ def refused_once(architecture: str, folder: Path) -> dict[str, Any]:
 
 
 def write_report(paths: ReportPaths, report: dict[str, Any]) -> None:
-    paths.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(paths, report)
     lines = [
         f"# Architectures served with sparsity on, {report['date']}",
+        provenance_line(report),
         "",
         f"Written by `bench/architectures.py`. Dummy weights, a tiny shape ({json.dumps(SHAPE)}), "
         f"the project's launcher with `{' '.join(SPARSITY)}`, one greedy request of {PROMPT_LEN} "

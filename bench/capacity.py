@@ -29,7 +29,7 @@ from typing import Any
 import requests
 from common.client import ClientError, KvStatsPoller, Workload, run_client
 from common.models import DTYPE_BYTES, kv_bytes_per_token
-from common.report import ReportPaths, write_json
+from common.report import ReportPaths, provenance_line, write_json
 from common.systems import (
     STOCK,
     ServerSettings,
@@ -294,6 +294,7 @@ def add_ratios(report: dict[str, Any], model_config: dict[str, Any], dtype_bytes
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# Capacity `{report['profile']}` — {report['date']}",
+        provenance_line(report),
         "",
         report["description"],
         "",

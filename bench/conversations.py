@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from common.report import ReportPaths, write_json
+from common.report import ReportPaths, provenance_line, write_json
 from common.systems import (
     STOCK,
     ServerSettings,
@@ -238,6 +238,7 @@ def ratios(stock: dict[str, Any], project: dict[str, Any]) -> dict[str, float | 
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# Conversations and long prompts: {report['profile']} ({report['date']})",
+        provenance_line(report),
         "",
         f"Machine: {report['machine']}. Shared arguments: `{' '.join(report['shared_args'])}`.",
         f"Project flags: `{' '.join(report['project_flags'])}`. Workloads: `bench/conversations.py` docstring.",

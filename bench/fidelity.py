@@ -54,7 +54,7 @@ from typing import Any
 
 import requests
 from common import teacher_forced
-from common.report import ReportPaths, write_json
+from common.report import ReportPaths, provenance_line, write_json
 from common.systems import ServerSettings, args_for_report, machine, prepare_model, server_for, shared_server_args
 
 from kvsparse_testbed import continuations, retrieval, ruler
@@ -329,6 +329,7 @@ def markdown(report: dict[str, Any]) -> str:
     settings = report["settings"]
     lines = [
         f"# Fidelity through the server — {report['date']}",
+        provenance_line(report),
         "",
         f"- Machine: {report['machine']}",
         f"- Server arguments (all systems): `{' '.join(report['server_args'])}`",

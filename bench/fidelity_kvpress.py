@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common.report import ReportPaths, write_json
+from common.report import ReportPaths, provenance_line, write_json
 from kvpress import ExpectedAttentionPress, KnormPress, PyramidKVPress, SnapKVPress, StreamingLLMPress, TOVAPress
 from kvpress.presses.base_press import BasePress
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
@@ -250,6 +250,7 @@ def markdown(report: dict[str, Any]) -> str:
     methods = list(report["settings"]["press_parameters"])
     lines = [
         f"# Retrieval fidelity, NVIDIA kvpress {report['settings']['kvpress']} ({report['date']})",
+        provenance_line(report),
         "",
         f"Model {report['settings']['model_name']}, fp32, Hugging Face transformers "
         f"{report['settings']['transformers']} on the CPU, greedy, max "

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common.report import ReportPaths, write_json
+from common.report import ReportPaths, provenance_line, write_json
 from fidelity_kvpress import (
     DEFAULT_BUDGETS,
     add_method_arguments,
@@ -119,6 +119,7 @@ def markdown(report: dict[str, Any]) -> str:
     settings = report["settings"]
     lines = [
         f"# kvpress, teacher-forced on essay passages — {report['date']}",
+        provenance_line(report),
         "",
         f"- kvpress {settings['kvpress']}, transformers {settings['transformers']}, torch {settings['torch']}, "
         f"{settings['dtype']}, {settings['attention']}, CPU",

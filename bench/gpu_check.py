@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from common.checkout import ROOT, importable
+from common.report import ReportPaths, provenance_line, write_json
 
 importable()
 
@@ -215,10 +216,11 @@ def device_name(device: str) -> str:
 
 def write_report(out_dir: Path, report: dict[str, Any]) -> Path:
     stem = f"gpu-check-{report['date']}{'-dry-run' if report['dry_run'] else ''}"
-    json_path = out_dir / f"{stem}.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    json_path = ReportPaths(out_dir, stem).json
+    write_json(ReportPaths(out_dir, stem), report)
     lines = [
         f"# GPU check, {report['date']}: {report['device']}",
+        provenance_line(report),
         "",
         "Written by `bench/gpu_check.py`" + (" --dry-run (timings mean nothing)." if report["dry_run"] else "."),
         "",

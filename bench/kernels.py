@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import re
@@ -40,6 +39,7 @@ if not torch.cuda.is_available():  # must precede the first triton import
 
 import triton  # noqa: E402
 from common.checkout import importable  # noqa: E402
+from common.report import ReportPaths, provenance_line, write_json  # noqa: E402
 
 importable()
 
@@ -396,6 +396,7 @@ def check(report: dict, name: str, error: float, bound: float) -> None:
 def markdown(report: dict) -> str:
     lines = [
         f"# Kernel benchmark: {report['gpu']}",
+        provenance_line(report),
         "",
         f"- date: {report['date']}",
         f"- torch {report['torch']}, triton {report['triton']}, SGLang kernels: {report['sglang']}",
@@ -470,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"kernels-{now:%Y%m%d-%H%M%S}-{re.sub(r'[^A-Za-z0-9]+', '-', gpu).strip('-')}"
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    write_json(ReportPaths(args.out_dir, stem), report)
     (args.out_dir / f"{stem}.md").write_text(markdown(report))
     print(markdown(report))
     print(f"wrote {args.out_dir / stem}.json and .md")

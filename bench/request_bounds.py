@@ -33,7 +33,7 @@ from typing import Any
 
 import requests
 from common.checkout import ROOT, importable
-from common.report import ReportPaths, provenance, write_json
+from common.report import ReportPaths, provenance, provenance_line, write_json
 from common.systems import (
     ServerSettings,
     args_for_report,
@@ -167,9 +167,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# A plain request beside the most expensive allowed requests ({report['date']})",
         "",
-        f"- Machine: {report['machine']}; commit `{report['provenance']['commit'][:10]}`"
-        + (" (dirty tree)" if report["provenance"]["dirty"] else ""),
-        f"- Command: `{' '.join(report['provenance']['command'])}`",
+        provenance_line(report),
+        f"- Machine: {report['machine']}",
         f"- Server: preset `{s['preset']}`, `{' '.join(s['server_args'])}`",
         f"- Plain request: ~{s['plain_tokens']} tokens in, {s['new_tokens']} out; "
         f"{len(s['expensive_settings'])} neighbours of ~{s['neighbour_tokens']} tokens; median of {s['rounds']} rounds",

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common.report import ReportPaths, write_json
+from common.report import ReportPaths, provenance_line, write_json
 from common.systems import machine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_utils import AttentionInterface
@@ -220,6 +220,7 @@ def markdown(report: dict[str, Any]) -> str:
     runs = sorted({run for p in report["prompts"].values() for run in p["runs"]})
     lines = [
         f"# Selection probe — {report['date']}",
+        provenance_line(report),
         "",
         f"- Machine: {report['machine']}; Hugging Face transformers, fp32, no server",
         f"- Policy `span` (follow {report['settings']['follow']}, long_follow {report['settings']['long_follow']} "

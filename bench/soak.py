@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from common.report import ReportPaths, write_json
+from common.report import ReportPaths, provenance_line, write_json
 from common.systems import (
     STOCK,
     ServerSettings,
@@ -310,6 +310,7 @@ def markdown(report: dict[str, Any]) -> str:
     mix = soak["mix"]
     lines = [
         f"# Soak ({report['date']})",
+        provenance_line(report),
         "",
         f"Machine: {report['machine']}. Server: `{report['server']}`.",
         f"Mix: {soak['requests']} requests (seed {report['settings']['seed']}), {report['settings']['concurrency']} "

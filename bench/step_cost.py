@@ -37,13 +37,12 @@ from typing import Any
 
 import torch
 from common.checkout import ROOT, importable
-from common.report import provenance
 from torch.utils._python_dispatch import _disable_current_modes
 
 importable()
 
 from common.device_cost import DeviceCost, SimDevice, count_kernels, count_triton_launches  # noqa: E402
-from common.report import ReportPaths, write_json  # noqa: E402
+from common.report import ReportPaths, provenance, write_json  # noqa: E402
 
 from sglang_kvsparse import kernels  # noqa: E402
 from sglang_kvsparse.config import PRESETS, SparsityConfig  # noqa: E402

@@ -219,6 +219,10 @@ def window_scores_triton(
     return scores
 
 
+#: Observed queries the torch reference takes at once.
+REFERENCE_ROWS = 256
+
+
 def window_scores_torch(
     q: torch.Tensor,
     k_buf: torch.Tensor,
@@ -235,7 +239,9 @@ def window_scores_torch(
     out: torch.Tensor | None = None,
     config: WindowScoreConfig | None = None,
 ) -> torch.Tensor:
-    """Plain-torch reference, one request at a time, in at least float32.
+    """Plain-torch reference, one request and `REFERENCE_ROWS` observed queries at a time (so
+    a policy that observes every query, H2O, holds [rows, heads, keys] at most), in at least
+    float32.
 
     ``max_kv_len`` and ``config`` only steer the Triton launch and are accepted for signature parity.
     """
@@ -250,18 +256,21 @@ def window_scores_torch(
         kv_len, q_len = kv[b + 1] - kv[b], qo[b + 1] - qo[b]
         observed = min(window + reach, q_len)
         reach_rows = observed - min(window, q_len)
-        rows = slice(qo[b + 1] - observed, qo[b + 1])
         k = k_buf[kv_indices[kv[b] : kv[b + 1]].long()].to(acc_dtype)  # [L, H_kv, D]
-        qw = q[rows].to(acc_dtype).unflatten(1, (k.shape[1], group))  # [W, H_kv, G, D]
-        lw = lse[rows].to(acc_dtype).unflatten(1, (k.shape[1], group))  # [W, H_kv, G]
-        logits = torch.einsum("whgd,nhd->whgn", qw, k) * sm_scale
-        probs = torch.exp(logits - lw[..., None])
-        pos = kv_len - observed + torch.arange(observed, device=q.device)
         keys = torch.arange(kv_len, device=q.device)
-        weight = (keys[None, :] <= pos[:, None]).to(acc_dtype)  # [W, L] causal
-        weight[:reach_rows] *= reach_weight * (keys < kv_len - window - reach)
-        probs = probs * weight[:, None, None, :]
-        scores[kv[b] : kv[b + 1]] = probs.sum(dim=(0, 2)).T.to(scores.dtype)
+        total = torch.zeros(k.shape[1], kv_len, dtype=acc_dtype, device=q.device)
+        for first in range(0, observed, REFERENCE_ROWS):
+            count = min(REFERENCE_ROWS, observed - first)
+            rows = slice(qo[b + 1] - observed + first, qo[b + 1] - observed + first + count)
+            qw = q[rows].to(acc_dtype).unflatten(1, (k.shape[1], group))  # [W, H_kv, G, D]
+            lw = lse[rows].to(acc_dtype).unflatten(1, (k.shape[1], group))  # [W, H_kv, G]
+            probs = torch.exp(torch.einsum("whgd,nhd->whgn", qw, k) * sm_scale - lw[..., None])
+            pos = kv_len - observed + first + torch.arange(count, device=q.device)
+            weight = (keys[None, :] <= pos[:, None]).to(acc_dtype)  # [W, L] causal
+            in_reach = first + torch.arange(count, device=q.device) < reach_rows
+            weight[in_reach] *= reach_weight * (keys < kv_len - window - reach)
+            total += (probs * weight[:, None, None, :]).sum(dim=(0, 2))
+        scores[kv[b] : kv[b + 1]] = total.T.to(scores.dtype)
     return scores
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,8 +83,17 @@ def provenance(command: list[str]) -> dict[str, Any]:
 
 
 def write_json(paths: ReportPaths, report: dict[str, Any]) -> None:
+    """The report as JSON, with its `provenance` (this process's command) unless it has one."""
+    report.setdefault("provenance", provenance(sys.argv))
     paths.directory.mkdir(parents=True, exist_ok=True)
     paths.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def provenance_line(report: dict[str, Any]) -> str:
+    """One markdown line: the commit and command a report was made with, and a dirty tree."""
+    made = report.get("provenance") or provenance(sys.argv)
+    dirty = " (from a dirty tree: uncommitted changes)" if made["dirty"] else ""
+    return f"- Made at commit `{made['commit'][:10]}`{dirty} by `{' '.join(made['command'])}`"
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -101,6 +111,7 @@ def markdown(report: dict[str, Any]) -> str:
     settings = report["settings"]
     lines = [
         f"# Serving benchmark `{report['profile']}` — {report['date']}",
+        provenance_line(report),
         "",
         report["description"],
         "",

@@ -1,5 +1,6 @@
 """Servers shared by the end-to-end tests, started once and in parallel (a minute or two on 2 cores):
-only those the collected tests ask for (CI's tier needs five; `make test-extended` the others).
+only those the collected tests ask for (CI's tier needs five, and seven do not start together in
+24 GiB; `make test-extended` the others).
 
 - "project": the project's launcher with sparsity off;
 - "sparse": the project's launcher with sparse layers whose budgets cover every length (lossless),

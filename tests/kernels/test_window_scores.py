@@ -6,6 +6,7 @@ rows outside each request's window are NaN too, which proves that only window ro
 """
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -89,6 +90,15 @@ def test_window_scores_with_reach_match_reference(group, reach, device):
     over several query blocks; rows before the window + reach are NaN, so they are never read."""
     batch = make_ragged_batch(Q_LENS, KV_LENS, 2, group, 64, torch.float32, device, seed=reach + group)
     scores, ref = run_both(batch, 20, WindowScoreConfig(block_n=32, block_rows=16), reach, 0.25)
+    assert rel_error(scores, ref) <= REL[torch.float32]
+
+
+def test_the_reference_in_blocks_of_queries_matches_the_kernel(monkeypatch, device):
+    """The torch reference takes observed queries a block at a time (H2O observes them all):
+    blocks of 7 rows, reach rows split across blocks, match the Triton kernel."""
+    monkeypatch.setattr(importlib.import_module("sglang_kvsparse.kernels.window_scores"), "REFERENCE_ROWS", 7)
+    batch = make_ragged_batch(Q_LENS, KV_LENS, 2, 3, 64, torch.float32, device, seed=5)
+    scores, ref = run_both(batch, 100, WindowScoreConfig(block_n=32, block_rows=16), 30, 0.25)
     assert rel_error(scores, ref) <= REL[torch.float32]
 
 
