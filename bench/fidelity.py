@@ -58,6 +58,7 @@ from common.report import ReportPaths, provenance_line, write_json
 from common.systems import ServerSettings, args_for_report, machine, prepare_model, server_for, shared_server_args
 
 from kvsparse_testbed import continuations, retrieval, ruler
+from kvsparse_testbed.frozen_suite import FROZEN_SUITE
 from kvsparse_testbed.server import ServerStartError
 from kvsparse_testbed.texts import essay_text
 
@@ -664,6 +665,11 @@ def main(argv: list[str] | None = None) -> int:
         default=[0],
         help="the ruler prompts of each of these seeds (the suite grows by a seed)",
     )
+    parser.add_argument(
+        "--frozen-suite",
+        action="store_true",
+        help=f"the ruler prompts of the frozen suite {FROZEN_SUITE.name} (its seeds, tasks and lengths; hash checked)",
+    )
     parser.add_argument("--lm-context-lens", type=_ints, default=list(continuations.DEFAULT_CONTEXT_LENS))
     parser.add_argument(
         "--lm-passages", type=int, default=continuations.DEFAULT_PASSAGES_PER_LEN, help="passages per context length"
@@ -698,7 +704,11 @@ def main(argv: list[str] | None = None) -> int:
             prompts = [p for p in prompts if kvpress["prompts"][p.prompt_id]["full"]["correct"]]
     prompts = prompts[: args.limit] if args.limit else prompts
     ruler_prompts = []
-    if "ruler" in suites:
+    if "ruler" in suites and args.frozen_suite:
+        ruler_prompts = FROZEN_SUITE.prompts()
+        args.ruler_seeds, args.ruler_tasks = list(FROZEN_SUITE.seeds), list(FROZEN_SUITE.tasks)
+        args.ruler_lengths, args.ruler_per_length = list(FROZEN_SUITE.lengths), FROZEN_SUITE.per_length
+    elif "ruler" in suites:
         try:
             ruler_prompts = build_ruler_prompts(
                 args.ruler_seeds, args.ruler_tasks, args.ruler_lengths, args.ruler_per_length
@@ -736,6 +746,7 @@ def main(argv: list[str] | None = None) -> int:
             "ruler_lengths": args.ruler_lengths,
             "ruler_per_length": args.ruler_per_length,
             "ruler_seeds": args.ruler_seeds,
+            "ruler_suite": {"name": FROZEN_SUITE.name, "sha256": FROZEN_SUITE.sha256} if args.frozen_suite else None,
             "lm_context_lens": args.lm_context_lens,
             "lm_passages_per_len": args.lm_passages,
             "lm_continuation_len": args.lm_continuation,

@@ -3,6 +3,7 @@ answer findable exactly once and derivable from the text, and a scorer that want
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -96,3 +97,17 @@ def test_a_suite_grows_by_a_seed_keeping_the_earlier_prompts_and_their_ids():
     for seeds in ((0, 0), ()):
         with pytest.raises(ValueError, match="distinct and at least one"):
             suite(seeds)
+
+
+def test_the_frozen_suite_is_the_one_frozen_and_holds_only_prompts_no_knob_was_chosen_on():
+    """Its prompts hash to the frozen hash (a changed generator or essay text fails here), come
+    from seeds the knobs were never chosen on (0-2), and cover every task and the long lengths."""
+    from kvsparse_testbed.frozen_suite import FROZEN_SUITE, prompts_hash
+
+    prompts = FROZEN_SUITE.prompts()
+    assert prompts_hash(prompts) == FROZEN_SUITE.sha256 and len(prompts) == 96
+    assert not set(FROZEN_SUITE.seeds) & {0, 1, 2}
+    assert {ruler.task_of(p.prompt_id) for p in prompts} == set(ruler.TASKS)
+    assert max(p.target_tokens for p in prompts) == 7_500
+    with pytest.raises(ValueError, match="not the frozen"):
+        dataclasses.replace(FROZEN_SUITE, per_length=1).prompts()

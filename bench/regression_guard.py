@@ -1,0 +1,121 @@
+"""Which prompts of the frozen suite the default answers at small budgets: the regression guard's
+selection (`tests/e2e/test_regression_guard.py` asks those again and fails when one is lost).
+
+One server as the end-to-end tests' "uncached" server starts it (the default preset, float32,
+`--disable-radix-cache`, the CPU pool of `serving_defaults.CPU_MAX_TOTAL_TOKENS`); each prompt
+asked once per budget through a request's own budget (`custom_params`), greedy, through the chat
+endpoint as `bench/fidelity.py` asks. Writes `<out-dir>/<stem>.json` and `.md` with every answer
+and the ids answered at every budget.
+
+    .venv/bin/python bench/regression_guard.py --seeds 3 --lengths 2000,3000   # ~5 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import requests
+from common.checkout import ROOT, importable
+from common.report import ReportPaths, provenance, provenance_line, write_json
+from common.systems import ServerSettings, args_for_report, machine, prepare_model, server_for, shared_server_args
+
+importable()
+
+from kvsparse_testbed.frozen_suite import FROZEN_SUITE  # noqa: E402
+from kvsparse_testbed.ruler import MAX_NEW_TOKENS, RulerPrompt  # noqa: E402
+from sglang_kvsparse.serving_defaults import CPU_MAX_TOTAL_TOKENS  # noqa: E402
+
+#: What the end-to-end tests' "uncached" server is started with beyond the launcher's defaults.
+SERVER_FLAGS = ("--disable-radix-cache",)
+
+
+def ask(base_url: str, prompt: RulerPrompt, budget: int) -> dict[str, Any]:
+    """One greedy chat completion at a request budget: the output and whether it is right."""
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": prompt.user_message}],
+        "temperature": 0,
+        "max_tokens": MAX_NEW_TOKENS,
+        "custom_params": {"kvsparse": {"budget": budget}},
+    }
+    response = requests.post(f"{base_url}/v1/chat/completions", json=body, timeout=900)
+    response.raise_for_status()
+    output = response.json()["choices"][0]["message"]["content"] or ""
+    return {"output": output, "correct": prompt.correct(output)}
+
+
+def chosen_prompts(seeds: list[int], tasks: list[str], lengths: list[int]) -> list[RulerPrompt]:
+    """The frozen suite's prompts of these seeds, tasks and lengths (ids
+    `ruler-s<seed>-<task>-<length>-<i>`)."""
+    wanted = {f"s{seed}-{task}-{length}" for seed in seeds for task in tasks for length in lengths}
+    return [p for p in FROZEN_SUITE.prompts() if p.prompt_id.removeprefix("ruler-").rsplit("-", 1)[0] in wanted]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", default="3", help="of the frozen suite's seeds")
+    parser.add_argument("--tasks", default=",".join(FROZEN_SUITE.tasks), help="of the frozen suite's tasks")
+    parser.add_argument("--lengths", default="2000,3000", help="of the frozen suite's lengths")
+    parser.add_argument("--budgets", default="128,256")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--stem", default=f"regression-guard-{dt.date.today().isoformat()}")
+    args = parser.parse_args()
+    budgets = [int(b) for b in args.budgets.split(",")]
+    seeds, lengths = [int(s) for s in args.seeds.split(",")], [int(n) for n in args.lengths.split(",")]
+    prompts = chosen_prompts(seeds, args.tasks.split(","), lengths)
+    settings = ServerSettings("default", "auto", "float32", CPU_MAX_TOTAL_TOKENS, None, 1, 900.0)
+    answers: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as work:
+        model_dir, load_args = prepare_model(settings, Path(work))
+        shared = shared_server_args(settings, model_dir, load_args)
+        with server_for("project", SERVER_FLAGS, shared, settings, Path(work), print) as server:
+            for number, prompt in enumerate(prompts, 1):
+                answers[prompt.prompt_id] = {str(b): ask(server.base_url, prompt, b) for b in budgets}
+                marks = " ".join(
+                    f"{b}:{'ok' if answers[prompt.prompt_id][str(b)]['correct'] else '--'}" for b in budgets
+                )
+                print(f"[{number}/{len(prompts)}] {prompt.prompt_id} {marks}", flush=True)
+    kept = [pid for pid, by_budget in answers.items() if all(a["correct"] for a in by_budget.values())]
+    report = {
+        "benchmark": "regression-guard",
+        "date": dt.date.today().isoformat(),
+        "machine": machine(),
+        "provenance": provenance(sys.argv),
+        "suite": {"name": FROZEN_SUITE.name, "sha256": FROZEN_SUITE.sha256},
+        "server_args": [*SERVER_FLAGS, *args_for_report(shared, model_dir)],
+        "budgets": budgets,
+        "expected": {p.prompt_id: p.answer for p in prompts},
+        "answers": answers,
+        "answered_at_every_budget": kept,
+    }
+    paths = ReportPaths(args.out_dir, args.stem)
+    write_json(paths, report)
+    lines = [
+        f"# Regression guard selection ({report['date']})",
+        provenance_line(report),
+        f"- Suite `{FROZEN_SUITE.name}` (sha256 `{FROZEN_SUITE.sha256[:16]}`), seeds {args.seeds}, tasks "
+        f"{args.tasks}, lengths {args.lengths}; the default preset with a request budget of each of {budgets}",
+        "",
+        "| prompt | expected | " + " | ".join(f"budget {b}" for b in budgets) + " |",
+        "|---|---|" + "---|" * len(budgets),
+        *(
+            f"| {pid} | {report['expected'][pid]} | "
+            + " | ".join("yes" if answers[pid][str(b)]["correct"] else "no" for b in budgets)
+            + " |"
+            for pid in answers
+        ),
+        "",
+        f"Answered at every budget: {len(kept)} of {len(answers)}.",
+        "",
+    ]
+    paths.markdown.write_text("\n".join(lines))
+    print(f"answered at every budget: {len(kept)} of {len(answers)}: {', '.join(kept)}")
+
+
+if __name__ == "__main__":
+    main()
