@@ -34,15 +34,17 @@ from sglang_kvsparse.serving_defaults import CPU_MAX_TOTAL_TOKENS  # noqa: E402
 SERVER_FLAGS = ("--disable-radix-cache",)
 
 
-def ask(base_url: str, prompt: RulerPrompt, budget: int) -> dict[str, Any]:
-    """One greedy chat completion at a request budget: the output and whether it is right."""
-    body = {
+def ask(base_url: str, prompt: RulerPrompt, budget: int | None) -> dict[str, Any]:
+    """One greedy chat completion at a request budget (None: the server's): the output and
+    whether it is right."""
+    body: dict[str, Any] = {
         "model": "default",
         "messages": [{"role": "user", "content": prompt.user_message}],
         "temperature": 0,
         "max_tokens": MAX_NEW_TOKENS,
-        "custom_params": {"kvsparse": {"budget": budget}},
     }
+    if budget is not None:
+        body["custom_params"] = {"kvsparse": {"budget": budget}}
     response = requests.post(f"{base_url}/v1/chat/completions", json=body, timeout=900)
     response.raise_for_status()
     output = response.json()["choices"][0]["message"]["content"] or ""
@@ -62,6 +64,7 @@ def main() -> None:
     parser.add_argument("--tasks", default=",".join(FROZEN_SUITE.tasks), help="of the frozen suite's tasks")
     parser.add_argument("--lengths", default="2000,3000", help="of the frozen suite's lengths")
     parser.add_argument("--budgets", default="128,256")
+    parser.add_argument("--full-cache", action="store_true", help="also ask a server with sparsity off")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--stem", default=f"regression-guard-{dt.date.today().isoformat()}")
     args = parser.parse_args()
@@ -69,6 +72,7 @@ def main() -> None:
     seeds, lengths = [int(s) for s in args.seeds.split(",")], [int(n) for n in args.lengths.split(",")]
     prompts = chosen_prompts(seeds, args.tasks.split(","), lengths)
     settings = ServerSettings("default", "auto", "float32", CPU_MAX_TOTAL_TOKENS, None, 1, 900.0)
+    made = provenance(sys.argv)  # the code that runs, whatever changes while it does
     answers: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as work:
         model_dir, load_args = prepare_model(settings, Path(work))
@@ -80,37 +84,50 @@ def main() -> None:
                     f"{b}:{'ok' if answers[prompt.prompt_id][str(b)]['correct'] else '--'}" for b in budgets
                 )
                 print(f"[{number}/{len(prompts)}] {prompt.prompt_id} {marks}", flush=True)
-    kept = [pid for pid, by_budget in answers.items() if all(a["correct"] for a in by_budget.values())]
+        if args.full_cache:
+            off = ("--kvsparse-preset", "off", *SERVER_FLAGS)
+            with server_for("full-cache", off, shared, settings, Path(work), print) as server:
+                for prompt in prompts:
+                    answers[prompt.prompt_id]["full"] = ask(server.base_url, prompt, None)
+    full = [pid for pid, by_budget in answers.items() if by_budget.get("full", {}).get("correct")]
+    kept = [pid for pid, by_budget in answers.items() if all(by_budget[str(b)]["correct"] for b in budgets)]
     report = {
         "benchmark": "regression-guard",
         "date": dt.date.today().isoformat(),
         "machine": machine(),
-        "provenance": provenance(sys.argv),
+        "provenance": made,
         "suite": {"name": FROZEN_SUITE.name, "sha256": FROZEN_SUITE.sha256},
         "server_args": [*SERVER_FLAGS, *args_for_report(shared, model_dir)],
         "budgets": budgets,
         "expected": {p.prompt_id: p.answer for p in prompts},
         "answers": answers,
         "answered_at_every_budget": kept,
+        "answered_by_the_full_cache": full if args.full_cache else None,
     }
     paths = ReportPaths(args.out_dir, args.stem)
     write_json(paths, report)
+    keys = [str(b) for b in budgets] + (["full"] if args.full_cache else [])
+    columns = [f"budget {b}" for b in budgets] + (["full cache"] if args.full_cache else [])
     lines = [
         f"# Regression guard selection ({report['date']})",
         provenance_line(report),
         f"- Suite `{FROZEN_SUITE.name}` (sha256 `{FROZEN_SUITE.sha256[:16]}`), seeds {args.seeds}, tasks "
         f"{args.tasks}, lengths {args.lengths}; the default preset with a request budget of each of {budgets}",
         "",
-        "| prompt | expected | " + " | ".join(f"budget {b}" for b in budgets) + " |",
-        "|---|---|" + "---|" * len(budgets),
+        "| prompt | expected | " + " | ".join(columns) + " |",
+        "|---|---|" + "---|" * len(columns),
         *(
             f"| {pid} | {report['expected'][pid]} | "
-            + " | ".join("yes" if answers[pid][str(b)]["correct"] else "no" for b in budgets)
+            + " | ".join("yes" if answers[pid][key]["correct"] else "no" for key in keys)
             + " |"
             for pid in answers
         ),
         "",
-        f"Answered at every budget: {len(kept)} of {len(answers)}.",
+        "Answered: "
+        + ", ".join(
+            f"{column} {sum(a[key]['correct'] for a in answers.values())}" for column, key in zip(columns, keys)
+        )
+        + f" of {len(answers)}; at every budget: {len(kept)}.",
         "",
     ]
     paths.markdown.write_text("\n".join(lines))

@@ -3,22 +3,17 @@
 Why: a sparse layer's own scores say what *its* observation window reads, and early layers read
 locally. On retrieval prompts their window attention never lands on the answer, so with
 per-layer selection they drop it, and a model that cannot see an answer's tokens in its early
-layers does not copy it whole, however well the later layers kept it (SmolLM2: the early sparse
-layers kept none of a 7-digit answer in any head at budget 256, and the answer came out with its
-last digits changed). The middle and late layers' windows do find it. So when the configuration
-names guide layers (`guide_from`), each sparse layer's prefill selection waits for the forward's
-last sparse layer, and then every sparse layer keeps the entries whose guide score is best: the
-policy's score, its largest over a layer's KV heads, averaged over the guide layers. The kept
+layers does not copy it whole, however well the later layers kept it. The middle and late
+layers' windows do find it. So when the configuration names guide layers (`guide_from`), each
+sparse layer's prefill selection waits for the forward's last sparse layer, and then every sparse
+layer keeps the entries whose guide score is best: the policy's score, its largest over a layer's
+KV heads, averaged over the guide layers. The kept
 entries' stored scores are the guide's too, so decode evictions rank them in the same units.
 
 Only while a request's budget is below a share of its prompt (`guide_below`, decided by the
-plan: `ColumnPlan.guided`): with room, each layer's own selection is the better one. On the
-RULER-style suite (SmolLM2-135M, `bench/selection_probe.py`; `bench/results/selection-probe-*`)
-per-layer selection answered 16, 35, 39 and 39 of 39 prompts of 2-3k tokens at budgets 256, 384,
-512 and 1,024 where the guide answered 36, 37, 37 and 37; on 6k-token prompts the guide still
-won at 512 (7 against 5 of 9) and lost at 1,024 (6 against 7): with enough of the prompt every
-layer keeps what it reads itself as well as the answer, a guided layer only what the late
-layers read.
+plan: `ColumnPlan.guided`): with room, each layer's own selection is the better one, since it
+keeps what it reads itself as well as the answer, a guided layer only what the late layers read
+(`docs/experiments/2026-12-04-default-knobs.md`).
 
 Cost: until the forward's last sparse layer has run, each sparse layer that selects needs its new
 tokens' K/V again. They wait in the prefix store's rows, where a guided server stores every

@@ -121,8 +121,8 @@ SERVED: dict[str, str] = {
     "--schedule-policy": "tests/e2e/test_server_options.py",
     "--schedule-conservativeness": "tests/e2e/test_server_options.py",
     "--radix-eviction-policy": "tests/e2e/test_server_options.py",
-    "--tp-size": "tests/integration/test_parallel_serving.py",
-    "--dp-size": "tests/integration/test_parallel_serving.py",
+    "--tp-size": "tests/e2e/test_parallel_serving.py",
+    "--dp-size": "tests/e2e/test_parallel_serving.py",
     "--cuda-graph-backend-decode": "tests/integration/test_decode_graph_hooks.py",
 }
 

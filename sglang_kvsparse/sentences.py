@@ -1,8 +1,8 @@
 """Where a prompt's sentences end, for policies that keep whole sentences (no SGLang imports).
 
 Why: at tight budgets a selection can hold every token of an answer and the model still answers
-wrongly, because the words around it are gone ("The special magic UUID for" before the asked key;
-SmolLM2, RULER suite at budget 256, docs/config.md). `span` raises each key to a share of its
+wrongly, because the words around it are gone ("The special magic UUID for" before the asked
+key). `span` raises each key to a share of its
 sentence's best score (`raise_to_sentence_best`), so a fact is kept with its sentence. Policies
 see keys, not tokens, so the server marks, once per forward, which of SGLang's KV slots hold a
 token that ends a sentence (`SentenceMarks.record`, from the forward's token ids), and a prefill

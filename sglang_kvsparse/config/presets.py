@@ -1,4 +1,5 @@
-"""The named recipes of `--kvsparse-preset` (docs/config.md says why each looks as it does)."""
+"""The named recipes of `--kvsparse-preset` (docs/config.md; the default's measurements:
+`docs/experiments/2026-12-04-default-knobs.md`)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,10 @@ PRESETS: dict[str, SparsityConfig] = {
     # The first two layers, whose attention is broad and where compression costs most, stay full;
     # the others keep 1024 entries, the low end of the 1024-1536 windows of the reference results.
     # With two full layers the sparse ones pair up on the heap's two lanes (docs/config.md).
-    # `span` with an observation window of 16 keeps many-token answers SnapKV cuts short, and
-    # beat kvpress's best press at every budget from 64 to 1,024 on the RULER-style suite; guided
+    # `span` with an observation window of 16 keeps many-token answers SnapKV cuts short; guided
     # from a third of the depth, every sparse layer keeps what the middle and late layers find
-    # (the early ones' own windows never see a needle). `span`'s defaults (follow 8, one place
-    # followed by 40, reach 16) were chosen on the same suites. From a budget of 0.15 of the
-    # prompt each layer keeps by its own scores again: with that room they kept more answers.
+    # (the early ones' own windows never see a needle); from a budget of 0.15 of the prompt each
+    # layer keeps by its own scores again, which with that room keeps more.
     "default": SparsityConfig(
         full_layers=(0, 1), budget=1024, window=16, policy=SpanPolicy(), guide_from=0.33, guide_below=0.15
     ),

@@ -17,7 +17,7 @@ POOL_KINDS: tuple[str, ...] = ("max", "avg")
 #: alike: the pooling and spreading widths cost a few operations per doubling of their width,
 #: the queries before the window cost attention work per query, and every knob is a tensor
 #: index or comparison somewhere, where an unbounded integer overflows. Far above any value
-#: measured to help (docs/config.md).
+#: measured to help.
 WIDEST_POOL = 127
 LONGEST_REACH = 256
 
@@ -43,15 +43,14 @@ class SnapKVPolicy(ScoringPolicy):
 
     Pooling matters on retrieval: the question's attention lands on the first token of an answer
     span, and pooling keeps its neighbours, which the model needs to copy the rest of the span
-    (docs/config.md says why 15). While decoding, each step's attention is added to the kept
-    keys' scores (H2O-style), in the same units as the window's.
+    (`docs/experiments/2026-12-04-default-knobs.md` says why 15). While decoding, each step's
+    attention is added to the kept keys' scores (H2O-style), in the same units as the window's.
 
     `reach` is for questions longer than the window: "What is the secret ingredient in the soup?
     Answer with one word from the text above." asks in words that lie before the last 16 tokens,
     so a window of 16 never looks for the needle. A window of 32 does, but its extra queries are
-    often text before the question, whose local attention crowds the selection (SmolLM2, guided:
-    multi-key answers 4 of 11 at budget 128, against 10 with 16); at a quarter weight the earlier
-    queries add the question's pull and little of that noise (docs/config.md has the numbers).
+    often text before the question, whose local attention crowds the selection; at a quarter
+    weight the earlier queries add the question's pull and little of that noise.
     """
 
     pool_kind: Literal["max", "avg"] = "max"

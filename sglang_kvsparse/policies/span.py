@@ -34,15 +34,12 @@ class SpanPolicy(SnapKVPolicy):
     `sentence` times the best score of its sentence (`sglang_kvsparse.sentences`; sentences longer
     than `sentence_keys` keys are cut), so that a fact is kept with the words that say what it is.
 
-    Defaults (docs/config.md): `follow` 8 covers a 7-digit answer after the word the question
-    lands on and, at tight budgets, leaves room for more candidates than 16 did (guided, budget
-    64: 5 of 14 RULER answers against 2); one place with `long_follow` 40 covers a UUID (29-37
-    tokens in SmolLM2's tokenizer, digits one by one, after " is"; 32 cut the last few: 40 keeps
-    35 of 39 RULER answers at budget 256 against 31, docs/config.md) where `follow` 32 everywhere
-    crowded the multi-key answers out; `reach` 16 lets a question longer than the window look for
-    its answer (needles). `sentence` 0.5 from budget 256 (`sentence_from`): a fact kept with its
-    sentence gained a RULER answer at 256 (36 of 39 against 35); at 64 and 128 the sentences
-    crowded answers out (4 against 9, 18 against 21), so smaller budgets keep the plain scores.
+    Defaults: `follow` 8 covers a 7-digit answer after the word the question lands on and leaves
+    room for more candidates at tight budgets; one place with `long_follow` 40 covers a UUID (in
+    SmolLM2's tokenizer, digit by digit) where a long follow everywhere crowds other answers out;
+    `reach` 16 lets a question longer than the window look for its answer; `sentence` 0.5 from
+    budget 256 keeps a fact with its sentence where there is room for it. They were chosen on the
+    RULER-style prompts of seeds 0-2, in SmolLM2's token counts (`docs/experiments/2026-12-04-default-knobs.md`).
     """
 
     follow: int = 8

@@ -16,7 +16,6 @@ extend_mod = pytest.importorskip(
     "sglang.kernels.ops.attention.extend_attention", reason="SGLang 0.5.23 is not importable"
 )
 pytestmark = [
-    pytest.mark.integration,
     # SGLang's kernel takes log(0) on padding rows it never stores; the interpreter warns about it.
     pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning"),
 ]

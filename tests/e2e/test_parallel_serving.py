@@ -26,7 +26,8 @@ import requests
 
 from kvsparse_testbed.dummy_models import SHAPES, write_dummy_model
 from sglang_kvsparse.options import CPU_SPARSE_MEM_FRACTION
-from tests.e2e.servers import PYTHON, RETRACTING_ENV, Server, assert_at_rest, every_rank, server_env
+
+from .servers import PYTHON, RETRACTING_ENV, Server, assert_at_rest, every_rank, server_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.extended]
 

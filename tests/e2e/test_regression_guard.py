@@ -1,0 +1,37 @@
+"""The regression guard: prompts of the frozen suite (`kvsparse_testbed.frozen_suite`) that the
+default answered at request budgets of 128 and 256 when they were chosen
+(`bench/regression_guard.py`, `bench/results/regression-guard-2026-12-04.md`), asked again of the
+"uncached" server, which runs the default preset as that run did. Losing one fails."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from regression_guard import ask, chosen_prompts  # noqa: E402
+
+from kvsparse_testbed.frozen_suite import FROZEN_SUITE  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.extended]
+
+#: Answered at both budgets on 2026-12-04 (commit 54eec4a; 4 of the 24 multi-key and UUID prompts
+#: of 2,000 and 3,000 tokens of seeds 3-5; multi-value and variable tracking answered none of
+#: seed 3's at either budget).
+GUARD = ("ruler-s3-multikey-2000-1", "ruler-s3-uuid-3000-0", "ruler-s4-multikey-2000-0", "ruler-s4-multikey-3000-0")
+BUDGETS = (128, 256)
+
+
+def test_the_default_still_answers_the_guard_prompts_at_128_and_256(uncached_server):
+    prompts = chosen_prompts(list(FROZEN_SUITE.seeds), list(FROZEN_SUITE.tasks), [2000, 3000])
+    guard = [p for p in prompts if p.prompt_id in GUARD]
+    assert len(guard) == len(GUARD)
+    lost = [
+        (p.prompt_id, budget, answer["output"])
+        for p in guard
+        for budget in BUDGETS
+        if not (answer := ask(uncached_server.url, p, budget))["correct"]
+    ]
+    assert not lost, lost
