@@ -72,11 +72,8 @@ def _own_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cuda-graph-backend-decode", dest="cuda_graph_backend_decode")
     for option in BACKEND_OPTIONS:
         parser.add_argument("--" + option.replace("_", "-"), dest=option)
-    for refused in REFUSED:
-        if refused.takes_value:
-            parser.add_argument(refused.flag, dest=refused.field, nargs="*" if refused.flag == "--lora-paths" else None)
-        else:
-            parser.add_argument(refused.flag, dest=refused.field, action="store_true")
+    for refused in REFUSED:  # its first value is enough to tell that it is in use
+        parser.add_argument(refused.flag, dest=refused.field, action=None if refused.takes_value else "store_true")
     return parser
 
 

@@ -47,9 +47,9 @@ def sparse_extend(
     prompt) waits for the guide and keeps by its scores; the others keep at once by the layer's
     own. The waiting selection reads its requests' new tokens back from their store rows (they
     are stored, charged at admission, `planning._use_store`), so the wait holds no copy outside
-    the heap. Either way the prefix was read, not written: the row gets copies. The new tokens' K/V also go
-    to their store slots, for later requests that share this prompt; a chunk before its
-    prompt's last is only stored (`plan.keeps`). Returns [T, H_q, D].
+    the heap. Either way the prefix was read, not written: the row gets copies. The new tokens'
+    K/V also go to their store slots, for later requests that share this prompt; a chunk before
+    its prompt's last is only stored (`plan.keeps`). Returns [T, H_q, D].
     """
     k_all, v_all, kv_indptr = sequence_kv(k, v, plan, column, buffers)
     positions = torch.arange(k_all.shape[0], device=k.device, dtype=torch.int64)
