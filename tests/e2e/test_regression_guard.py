@@ -17,9 +17,8 @@ from kvsparse_testbed.frozen_suite import FROZEN_SUITE  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.extended]
 
-#: Answered at both budgets on 2026-12-04 (commit 54eec4a; 4 of the 24 multi-key and UUID prompts
-#: of 2,000 and 3,000 tokens of seeds 3-5; multi-value and variable tracking answered none of
-#: seed 3's at either budget).
+#: Answered at both budgets on 2026-12-04 (commit cef5da2): 4 of the 24 multi-key and UUID prompts
+#: of 2,000 and 3,000 tokens of seeds 3-5 (the full cache answers 10 of them).
 GUARD = ("ruler-s3-multikey-2000-1", "ruler-s3-uuid-3000-0", "ruler-s4-multikey-2000-0", "ruler-s4-multikey-3000-0")
 BUDGETS = (128, 256)
 
