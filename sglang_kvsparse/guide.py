@@ -15,11 +15,10 @@ plan: `ColumnPlan.guided`): with room, each layer's own selection is the better 
 keeps what it reads itself as well as the answer, a guided layer only what the late layers read
 (`docs/experiments/2026-12-04-default-knobs.md`).
 
-Cost: until the forward's last sparse layer has run, each sparse layer that selects needs its new
-tokens' K/V again. They wait in the prefix store's rows, where a guided server stores every
-prefill token (charged at admission, as a chunk's tokens are: `SparseState.prefill_charge`), and
-the batch's cached prefixes are read again from there too: no copy outside the heap, and after
-the forward the rows are cache the heap can take back.
+Cost: until the forward's last sparse layer has run, each sparse layer that selects holds its new
+tokens' K/V (the batch's cached prefixes are read again from the prefix store, which the forward
+pins): stock SGLang's bytes for this forward's tokens, for the length of one forward, bounded by
+the chunked-prefill size and not charged at admission (docs/config.md).
 """
 
 from __future__ import annotations

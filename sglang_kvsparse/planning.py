@@ -185,12 +185,7 @@ def plan_extend(
     if state.store is not None:
         if new_ids is None or len(prefix_ids) != len(index):
             raise HeapError("a prefill with the prefix store needs every row's prefix ids and the new ids")
-        waiting = torch.zeros(len(index), dtype=torch.bool)  # requests some group keeps by the guide
-        for group in state.groups:
-            guided = state.guided(state.budgets(group, index), seq_lens)
-            if guided is not None:
-                waiting |= guided & ~partial
-        prefix_rows, store_rows, store_positions = _use_store(state, index, prefix_ids, new_ids, extend, waiting)
+        prefix_rows, store_rows, store_positions = _use_store(state, index, prefix_ids, new_ids, extend)
     elif bool(partial.any()):
         raise HeapError("a chunked prefill reached the sparse layers without a prefix store")
     staging = _Staging()
@@ -205,7 +200,7 @@ def plan_extend(
             )
         indices, scores = _indices(state, group, index)
         compress = bool((seq_lens > budgets)[~partial].any())
-        guided = state.guided(budgets, seq_lens)
+        guided = _guided(state, budgets, seq_lens)
         staged_columns.append(
             [
                 (
@@ -290,6 +285,17 @@ class _Staging:
     def send(self, device: torch.device | str) -> Callable[[int | None], torch.Tensor | None]:
         on_device = upload(self.host, device)
         return lambda place: None if place is None else on_device[place]
+
+
+def _guided(state: SparseState, budgets: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
+    """The requests (host [B]) a selecting prefill keeps by the guide: with guide layers, those
+    whose budget is below `guide_below` of their whole sequence (all without it)."""
+    if not state.resolved.guide_layers:
+        return None
+    share = state.config.guide_below
+    if share is None:
+        return torch.ones(budgets.shape, dtype=torch.bool)
+    return budgets < share * seq_lens
 
 
 def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | str = "cpu") -> ForwardPlan:
@@ -398,7 +404,6 @@ def _use_store(
     prefix_ids: Sequence[torch.Tensor],
     new_ids: torch.Tensor,
     extend: torch.Tensor,
-    waiting: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the prefixes' store rows [num_columns, n_prefix], the stored new tokens' store rows
     [num_columns, n_stored], those tokens' positions among the batch's new tokens [n_stored]).
@@ -406,10 +411,7 @@ def _use_store(
     A last chunk's held blocks are pinned for this forward; the tokens of chunks before a
     prompt's last are stored (admission charged their rows) and their request holds its prompt so
     far for its next chunk; only then, best effort, the other new tokens get store rows, which may
-    reclaim unpinned, unheld store blocks. The tokens of requests that keep by the guide
-    (`waiting` [B]) are stored as a chunk's are (admission charged them too): their deferred
-    selection reads them back from there once the guide is complete
-    (`sparse_attention.sparse_extend`)."""
+    reclaim unpinned, unheld store blocks."""
     store = state.store
     parts = [ids.to("cpu", torch.int64) for ids in prefix_ids]
     prefix = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
@@ -419,7 +421,7 @@ def _use_store(
     for row in index[~partial].tolist():
         state.read_held(row)  # pinned before any row is taken below, which may reclaim the store
     new = new_ids.to("cpu", torch.int64)
-    chunk_tokens = (partial | waiting).repeat_interleave(extend)
+    chunk_tokens = partial.repeat_interleave(extend)
     must, rest = torch.nonzero(chunk_tokens).flatten(), torch.nonzero(~chunk_tokens).flatten()
     blocks = -(-must.numel() // store.page_size)
     chunk_rows = store.put(new[must], state.take(blocks * store.rows_per_block)) if must.numel() else None

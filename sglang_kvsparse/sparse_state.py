@@ -185,9 +185,7 @@ class SparseState:
         prefix_cache: bool = False,
     ) -> None:
         """`heap_rows`: rows of the heap (SGLang's ids are 1..heap_rows, pages of `heap.page_size`).
-        `prefix_cache`: keep prompt tokens' sparse K/V for radix-tree hits (SGLang's cache is on).
-        With guide layers there is a prefix store either way: a guided prefill's new tokens wait
-        there until the guide has chosen (`planning._use_store`)."""
+        `prefix_cache`: keep prompt tokens' sparse K/V for radix-tree hits (SGLang's cache is on)."""
         self.resolved = resolved
         self.config = resolved.config
         self.page_size = heap.page_size
@@ -214,7 +212,7 @@ class SparseState:
         store_blocks = heap_rows // max(self.layout.num_columns * self.page_size, 1)
         self.store = (
             PrefixStore(heap_rows + self.page_size, self.layout.num_columns, self.page_size, store_blocks)
-            if (prefix_cache or resolved.guide_layers) and self.groups
+            if prefix_cache and self.groups
             else None
         )
         self.logical = torch.zeros(max_requests, dtype=torch.int64)  # each row's sequence length
@@ -401,11 +399,10 @@ class SparseState:
 
     def prefill_peak_rows(self, prompt_len: int, chunk_size: int | None, budget: int = 0) -> int:
         """Most heap rows a prompt's prefill holds: its SGLang ids and entries, and, prefilled in
-        chunks of `chunk_size` or guided, its tokens in the prefix store (bounded by the whole
-        prompt) until the last chunk or the guide has read them."""
+        chunks of `chunk_size`, its earlier chunks in the prefix store (bounded by the whole
+        prompt) until the last chunk has read them."""
         held = self.layout.rows_held(prompt_len, budget)
-        chunked = chunk_size is not None and 0 < chunk_size < prompt_len
-        if self.store is None or not (chunked or self.waits_for_guide(prompt_len, budget)):
+        if chunk_size is None or chunk_size <= 0 or prompt_len <= chunk_size or self.store is None:
             return held
         return held + self.store.rows_per_block * -(-prompt_len // self.page_size)
 
@@ -413,14 +410,11 @@ class SparseState:
         """Heap rows a prefill of tokens [prefix_len, end) of a request whose prefill reaches
         `fill_len` takes beyond SGLang's own ids: a chunk before the last stores its tokens in the
         prefix store (whole blocks), the last chunk (or the whole prompt) the request's entries
-        (at its own `budget`, 0 for the groups'), and, when it keeps by the guide, its tokens in
-        the store too, where they wait for the guide (the guided prefill's working memory)."""
-        if self.store is None:
+        (at its own `budget`, 0 for the groups')."""
+        if end >= fill_len or self.store is None:
             return self.rows_to_hold(final_len, budget)
-        stored = -(-(end - prefix_len) // self.page_size) * self.store.rows_per_block
-        if end < fill_len:
-            return stored
-        return self.rows_to_hold(final_len, budget) + (stored if self.waits_for_guide(fill_len, budget) else 0)
+        blocks = -(-(end - prefix_len) // self.page_size)
+        return blocks * self.store.rows_per_block
 
     def rows_held(self, row: int) -> int:
         """Heap rows the request in `row` holds in the sparse columns now (scores included)."""
@@ -490,27 +484,6 @@ class SparseState:
 
     def deferred_rows(self) -> int:
         return sum(rows.numel() for rows in self._deferred)
-
-    def guided(self, budgets: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
-        """Which requests (host [B], by their budgets in one group and whole sequence lengths) a
-        selecting prefill keeps by the guide: with guide layers, those whose budget is below
-        `guide_below` of their sequence (all without it); None without guide layers."""
-        if not self.resolved.guide_layers:
-            return None
-        share = self.config.guide_below
-        if share is None:
-            return torch.ones(budgets.shape, dtype=torch.bool)
-        return budgets < share * seq_lens
-
-    def waits_for_guide(self, seq_len: int, budget: int = 0) -> bool:
-        """Whether a prefill reaching `seq_len` tokens at this `budget` (0: the groups') keeps by
-        the guide in some group, so that its new tokens wait in the prefix store."""
-        lengths = torch.tensor([seq_len])
-        for group in self.groups:
-            guided = self.guided(torch.tensor([budget or group.spec.budget]), lengths)
-            if guided is not None and bool(guided.any()):
-                return True
-        return False
 
     def budgets(self, group: SparseGroup, rows: torch.Tensor) -> torch.Tensor:
         """Each request row's budget in the group: its own, or the group's."""

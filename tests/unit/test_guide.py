@@ -55,13 +55,12 @@ def held(state, layer: int, row: int, keys: torch.Tensor) -> tuple[list[list[int
 def guided_forward(budgets: list[int], guide_below: float | None):
     """PROMPTS prefilled together under a guide (server budget BUDGET; request i asks for
     `budgets[i]`), every sparse layer's inputs random; returns the state, rows and inputs."""
-    state, heap = make_state(
+    state, _ = make_state(
         num_layers=LAYERS,
         full_layers=FULL,
         budget=BUDGET,
         window=WINDOW,
         context=64,
-        rows=1024,
         guide_from=GUIDE_FROM,
         guide_below=guide_below,
         max_request_budget=max(budgets),
@@ -71,11 +70,7 @@ def guided_forward(budgets: list[int], guide_below: float | None):
     settings = [RequestSparsity(budget=budget) for budget in budgets]
     state.expect(rows, [length + 20 for length in PROMPTS], list(PROMPTS), settings)  # scores in their own rows
     grow(state, rows, list(PROMPTS))
-    ids = torch.cat([heap.sglang_alloc(n) for n in PROMPTS])  # SGLang's ids of the prompts' tokens
-    no_prefix = [torch.empty(0, dtype=torch.int64)] * len(rows)
-    assert state.store is not None  # a guided server stores a prefill's tokens for its guide
-    plan = plan_extend(state, rows, [0] * len(rows), list(PROMPTS), no_prefix, ids)
-    assert plan.column(state.layout.sparse_slots[1]).store_slots.numel() == sum(PROMPTS)
+    plan = plan_extend(state, rows, [0] * len(rows), list(PROMPTS))
     gen = torch.Generator().manual_seed(0)
     total = sum(PROMPTS)
     inputs = {
@@ -203,31 +198,3 @@ def test_guide_below_round_trips():
 def test_a_bad_guide_below_is_refused_naming_the_field(value):
     with pytest.raises(SparsityConfigError, match="guide_below"):
         SparsityConfig(guide_from=0.5, guide_below=value)
-
-
-def test_a_guided_prefill_waits_for_the_guide_in_store_rows_charged_at_admission():
-    """The guide's working memory is heap rows: a guided server charges a prefill its tokens'
-    store rows beside its entries, the forward stores every new token there (no copy outside the
-    heap while the selection waits), and after the forward they are cache the heap can take
-    back."""
-    state, rows, _ = guided_forward([BUDGET] * 3, None)
-    columns = state.layout.num_columns
-    assert state.store.rows() == sum(PROMPTS) * columns  # pages of one token
-    assert state.reclaimable_rows() == state.store.rows()
-    assert state.prefill_charge(0, 23, 23, 43) == state.rows_to_hold(43) + 23 * columns
-    assert state.prefill_charge(0, 10, 23, 43) == 10 * columns  # a chunk before the last, as before
-    assert state.prefill_peak_rows(23, None) == state.layout.rows_held(23) + 23 * columns
-    unguided, _ = make_state(num_layers=LAYERS, full_layers=FULL, budget=BUDGET, window=WINDOW, context=64)
-    assert unguided.store is None and unguided.prefill_charge(0, 23, 23, 43) == unguided.rows_to_hold(43)
-    # With `guide_below` 0.3 only a prompt whose budget is below 0.3 of it waits for the guide.
-    below, _ = make_state(
-        num_layers=LAYERS,
-        full_layers=FULL,
-        budget=BUDGET,
-        window=WINDOW,
-        context=64,
-        guide_from=GUIDE_FROM,
-        guide_below=0.3,
-    )
-    assert not below.waits_for_guide(23) and below.prefill_charge(0, 23, 23, 43) == below.rows_to_hold(43)
-    assert below.waits_for_guide(40) and below.prefill_charge(0, 40, 40, 43) == below.rows_to_hold(43) + 40 * columns
