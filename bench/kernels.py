@@ -8,7 +8,7 @@ On a GPU (one run):
     scoring at 5,000 tokens as the default preset scores (window 16 and `span`'s 16 reach queries)
     relative to that prefill (target: < 5 %); decode with
     score accumulation vs SGLang's decode kernel (and FlashInfer) at the same kept length;
-    compaction of a budget's worth of entries.
+    a decode eviction (selection and move) of every request at once.
   * writes bench/results/kernels-<date>-<gpu>.json and .md (the GPU is named inside).
 Without CUDA (or with --small / --dry-run) it runs the same checks at small sizes under the Triton
 interpreter; the timings it prints there mean nothing.
@@ -45,8 +45,8 @@ importable()
 
 from sglang_kvsparse.config import PRESETS  # noqa: E402
 from sglang_kvsparse.kernels import (  # noqa: E402
-    compact_kv,
     decode_attention_with_scores,
+    evict_rows,
     extend_attention_with_stats,
     window_scores,
 )
@@ -364,26 +364,29 @@ def bench_decode(sizes: Sizes, device: str, reps: int, sglang_decode, report: di
             row["flashinfer_ms"] = timer(fi_run, reps, cuda)
         report["decode"].append(row)
 
-        # Compaction of a budget's worth of entries per request into its own first slots.
-        shortest = min(kv_lens)
-        keep = shortest // 2
+        # A decode eviction of every request at once: rows of budget + evict_page entries (the
+        # default's, or what the shortest request holds) cut back to the budget, in place.
+        n = min(kv_lens + [DEFAULT.budget + DEFAULT.evict_page])
+        budget = n - min(DEFAULT.evict_page, n // 2)
+        sink, window = min(DEFAULT.sink, budget // 4), min(DEFAULT.window, budget // 4)
         starts = batch.kv_indptr[:-1].long()
+        slots = batch.kv_indices[starts[:, None] + torch.arange(n, device=device)][None]  # [1, B, n]
         gen = torch.Generator().manual_seed(0)
-        order = torch.rand(bsz, sizes.num_kv_heads, shortest, generator=gen).argsort(-1)
-        pos = order[..., :keep].sort(-1).values.to(device)  # per-head kept positions, ascending
-        src = batch.kv_indices[starts[:, None, None] + pos].transpose(1, 2).reshape(-1, sizes.num_kv_heads)
-        dst = batch.kv_indices[(starts[:, None] + torch.arange(keep, device=device)).reshape(-1)]
+        ranked = torch.rand(bsz, n, sizes.num_kv_heads, generator=gen).to(device)
+        args = (ranked, slots, slots, budget, sink, window)
         bufs = (batch.k_buf.clone(), batch.v_buf.clone(), scores.clone())
         ref = tuple(t.clone() for t in bufs)
-        compact_kv(*bufs, src, dst, backend="triton")
-        compact_kv(*ref, src, dst, backend="torch")
-        check(report, f"compact {name}: bit-exact vs torch", float(not all(map(torch.equal, bufs, ref))), 0.0)
-        report["compact"].append(
+        evict_rows(*bufs, *args, backend="triton")
+        evict_rows(*ref, *args, backend="torch")
+        check(report, f"evict {name}: bit-exact vs torch", float(not all(map(torch.equal, bufs, ref))), 0.0)
+        report["evict"].append(
             {
                 "case": name,
-                "entries": int(src.numel()),
-                "ours_ms": timer(lambda: compact_kv(*bufs, src, dst, backend="triton"), reps, cuda),
-                "torch_ms": timer(lambda: compact_kv(*bufs, src, dst, backend="torch"), reps, cuda),
+                "rows": bsz,
+                "entries": n,
+                "budget": budget,
+                "ours_ms": timer(lambda: evict_rows(*bufs, *args, backend="triton"), reps, cuda),
+                "torch_ms": timer(lambda: evict_rows(*bufs, *args, backend="torch"), reps, cuda),
             }
         )
 
@@ -409,7 +412,7 @@ def markdown(report: dict) -> str:
         + (f"; FAILED: {', '.join(failed)}" if failed else ""),
         "",
     ]
-    for section in ("prefill", "decode", "compact"):
+    for section in ("prefill", "decode", "evict"):
         rows = report[section]
         if not rows:
             continue
@@ -455,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         "checks": [],
         "prefill": [],
         "decode": [],
-        "compact": [],
+        "evict": [],
     }
     sizes = SMALL_SIZES if small else GPU_SIZES
     report["shape"] = {

@@ -1,7 +1,7 @@
 """What the sparse machinery adds to one decode step, counted as a GPU would pay for it.
 
     python bench/step_cost.py                     # simulated device (no GPU needed), ~3 minutes
-    python bench/step_cost.py --before FILE.json  # the same, with an earlier run's counts beside
+    python bench/step_cost.py --before FILE.json  # the same, with an earlier run's counts beside (repeatable)
 
 At Llama-3.1-8B's KV shape (32 layers, 8 KV heads, head dim 128, bf16; `bench/models/llama-3.1-8b`)
 with the default preset (layers 0-1 full, 30 sparse layers at budget 1,024), requests decode in
@@ -302,7 +302,7 @@ def measure(
     simulated = device.type != "cuda"
     cost = DeviceCost(simulated=simulated)
     restores = [
-        count_kernels(cost, [kernels], ("decode_attention_with_scores", "compact_kv", "store_entries")),
+        count_kernels(cost, [kernels], ("decode_attention_with_scores", "evict_rows", "store_entries")),
         count_triton_launches(cost),
     ]
     run = Run(batch)
@@ -411,7 +411,12 @@ def markdown(report: dict[str, Any]) -> str:
             + f" | {every['syncs_mean']:.2f} ({every['syncs_max']}) | {every['outside_graph_mean']:.1f} | "
             f"{host['allocation']:.2f} / {host['planning']:.2f} / {host['release']:.2f} |"
         )
+    runs = report["runs"]
+    spread = runs[-1]["all_steps"]["launches_per_layer_mean"] / runs[0]["all_steps"]["launches_per_layer_mean"]
     lines += [
+        "",
+        f"Per layer over all steps, batch {runs[-1]['batch']} against batch {runs[0]['batch']}: {spread:.3f}x "
+        "(the target: within 10%).",
         "",
         "Launches per step by section (mean over all steps). An eager step launches the first five; with "
         f"SGLang's decode graph the layers replay and the step launches {', '.join(OUTSIDE_GRAPH)}.",
@@ -431,8 +436,7 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {kind} | " + " | ".join(str(row["sync_kinds_total"].get(kind, 0)) for row in report["runs"]) + " |"
             )
-    if report.get("before"):
-        before = report["before"]
+    for before in report.get("before") or ():
         lines += [
             "",
             f"## Before (commit `{before['provenance']['commit'][:10]}`, the same harness)",
@@ -469,8 +473,8 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     fig, axis = plt.subplots(figsize=(7, 4))
-    sets = [("after", report)] + ([("before", report["before"])] if report.get("before") else [])
-    for label, data in sets:
+    earlier = [(f"before ({b['provenance']['commit'][:7]})", b) for b in report.get("before") or ()]
+    for label, data in [("after", report), *earlier]:
         batches = [row["batch"] for row in data["runs"]]
         every = [row["all_steps"]["launches_per_layer_mean"] for row in data["runs"]]
         evicting = [
@@ -491,13 +495,20 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def _without_before(report: dict[str, Any]) -> dict[str, Any]:
+    """An earlier report as shown beside, without the reports it showed beside it."""
+    return {key: value for key, value in report.items() if key != "before"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--steps", type=int, default=48, help="counted decode steps per batch size")
     parser.add_argument("--device", default="sim", choices=("sim", "cuda"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--before", type=Path, help="an earlier run's JSON, shown beside")
+    parser.add_argument(
+        "--before", type=Path, action="append", default=[], help="an earlier run's JSON, shown beside (repeatable)"
+    )
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--stem", help="file name stem (default step-cost-<date>[-small][-cuda])")
     parser.add_argument("--small", action="store_true", help="a 6-layer model at budget 40 (a dry run)")
@@ -533,7 +544,7 @@ def main() -> None:
             "seed": args.seed,
         },
         "runs": runs,
-        "before": json.loads(args.before.read_text()) if args.before else None,
+        "before": [_without_before(json.loads(path.read_text())) for path in args.before],
     }
     stem = args.stem or f"step-cost-{report['date']}" + ("-small" if args.small else "")
     stem += "-cuda" if device.type == "cuda" and not args.stem else ""

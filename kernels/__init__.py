@@ -5,7 +5,6 @@ Each family has ``name_triton``, ``name_torch`` (same arguments and outputs) and
 never SGLang. See docs/kernels.md for contracts and layouts.
 """
 
-from .compact import compact_kv, compact_kv_torch, compact_kv_triton
 from .decode_attention import (
     SCORE_UPDATES,
     DecodeConfig,
@@ -14,6 +13,7 @@ from .decode_attention import (
     decode_attention_with_scores_torch,
     decode_attention_with_scores_triton,
 )
+from .evict import evict_rows, evict_rows_torch, evict_rows_triton
 from .extend_attention import (
     ExtendConfig,
     extend_attention_with_stats,
@@ -36,12 +36,12 @@ __all__ = [
     "ScoreUpdate",
     "WindowScoreConfig",
     "best_places",
-    "compact_kv",
-    "compact_kv_torch",
-    "compact_kv_triton",
     "decode_attention_with_scores",
     "decode_attention_with_scores_torch",
     "decode_attention_with_scores_triton",
+    "evict_rows",
+    "evict_rows_torch",
+    "evict_rows_triton",
     "extend_attention_with_stats",
     "extend_attention_with_stats_torch",
     "extend_attention_with_stats_triton",

@@ -288,8 +288,7 @@ def evict_group(
     their scores at `eviction.score_slots`, ranked by the policy's `eviction_scores`), up to the
     budget, moved in position order into its first `budget` entries (K, V and stored scores, in
     place). The old scores of every layer of the group are gathered and ranked together; then
-    each lane compacts its layers in one call."""
-    budget = eviction.budget
+    each lane selects and moves its layers' entries in one launch (`kernels.evict_rows`)."""
     _, rows, n_old = eviction.slots.shape
     on_lane = [(lane, spec.columns_on_lane(lane)) for lane in range(len(lanes))]
     on_lane = [(lane, count) for lane, count in on_lane if count]
@@ -297,24 +296,14 @@ def evict_group(
     scores = torch.cat(gathered) if len(gathered) > 1 else gathered[0]
     layers, heads = scores.shape[0], scores.shape[-1]
     ranked = policy.eviction_scores(scores.view(layers * rows, n_old, heads))
-    kept = kernels.select_rows(ranked, budget, sink, window)  # [layers * N, budget, H]
     first = 0
     for lane, count in on_lane:
-        mine = kept[first * rows : (first + count) * rows].view(count, rows, budget, heads)
+        buffers = lanes[lane]
+        mine = ranked[first * rows : (first + count) * rows]
         first += count
         slots, score_slots = eviction.slots[:count], eviction.score_slots[:count]
-
-        def sources(table: torch.Tensor, mine: torch.Tensor = mine, count: int = count) -> torch.Tensor:
-            return torch.gather(table[..., None].expand(count, rows, n_old, heads), 2, mine).view(-1, heads)
-
-        kernels.compact_kv(
-            lanes[lane].k,
-            lanes[lane].v,
-            lanes[lane].scores,
-            sources(slots),
-            slots[:, :, :budget].reshape(-1),
-            score_src=sources(score_slots),
-            score_dst=score_slots[:, :, :budget].reshape(-1),
+        kernels.evict_rows(
+            buffers.k, buffers.v, buffers.scores, mine, slots, score_slots, eviction.budget, sink, window
         )
 
 

@@ -24,5 +24,5 @@ def test_bench_dry_run_on_cpu(tmp_path):
     report = json.loads(json_file.read_text())
     assert report["gpu"] == "cpu-interpreter" and report["timings_meaningful"] is False
     assert report["checks"] and all(c["ok"] for c in report["checks"])
-    assert report["prefill"] and report["decode"] and report["compact"]
+    assert report["prefill"] and report["decode"] and report["evict"]
     assert json_file.with_suffix(".md").read_text().startswith("# Kernel benchmark: cpu-interpreter")

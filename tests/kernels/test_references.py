@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from sglang_kvsparse.kernels import (
-    compact_kv_torch,
     decode_attention_with_scores_torch,
     extend_attention_with_stats_torch,
     window_scores_torch,
@@ -116,23 +115,3 @@ def test_decode_reference_matches_dense(kv_lens):
     )
     assert rel_error(o, o_dense) <= REL
     assert rel_error(score_buf, expected_scores) <= REL
-
-
-def test_compact_reference_gathers_before_scattering():
-    """Overlapping in-place compaction must read every source before any write (explicit loop)."""
-    slots, heads, dim = 12, 3, 4
-    gen = torch.Generator().manual_seed(0)
-    k = torch.randn(slots, heads, dim, generator=gen)
-    v = torch.randn(slots, heads, dim, generator=gen)
-    s = torch.rand(slots, heads, generator=gen)
-    # Entry j moves down to slot j; sources are later slots of the same range, per head.
-    src = torch.tensor([[2, 5, 1], [4, 3, 0], [1, 6, 7], [7, 0, 2]])
-    dst = torch.arange(4)
-    expected = [t.clone() for t in (k, v, s)]
-    for j in range(4):
-        for h in range(heads):
-            for buf, orig in zip(expected, (k, v, s)):
-                buf[dst[j], h] = orig[src[j, h], h]
-    compact_kv_torch(k, v, s, src, dst)
-    for got, want in zip((k, v, s), expected):
-        assert torch.equal(got, want)
