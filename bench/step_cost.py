@@ -29,7 +29,7 @@ import json
 import platform
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,12 +97,6 @@ class TokenAllocatorModel:
         taken, self.free_pages = self.free_pages[:need_size], self.free_pages[need_size:]
         return taken
 
-    def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor, **kw):
-        return self.alloc(len(seq_lens_cpu))
-
-    def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens, **kw):
-        return self.alloc(extend_num_tokens)
-
     def free(self, free_index: torch.Tensor) -> None:
         if free_index.numel():
             self.free_pages = torch.cat((self.free_pages, free_index))
@@ -137,7 +131,14 @@ class Harness:
     tenth to two fifths of a budget's tokens."""
 
     def __init__(
-        self, cost: DeviceCost, device: torch.device, batch: int, seed: int, shape: dict, config: SparsityConfig
+        self,
+        cost: DeviceCost,
+        device: torch.device,
+        batch: int,
+        seed: int,
+        shape: dict,
+        config: SparsityConfig,
+        allocator: Callable[[int, torch.device], Any] = TokenAllocatorModel,
     ) -> None:
         self.cost, self.device, self.batch = cost, device, batch
         self.kv_heads, self.q_heads, self.head_dim = (
@@ -152,7 +153,7 @@ class Harness:
         per_request = layout.rows_held(longest_prompt + self.budget) + longest_prompt * layout.num_columns
         self.rows = per_request * (batch + 1)
         self.max_requests = batch + 2
-        self.allocator = TokenAllocatorModel(self.rows, device)
+        self.allocator = allocator(self.rows, device)  # SGLang's token allocator, or its model
         heap = make_heap(self.allocator)
         lane_buffers = [LaneBuffers.over(self._kv(self.rows + 1), self._kv(self.rows + 1)) for _ in range(layout.lanes)]
         self.state = SparseState(
@@ -187,11 +188,12 @@ class Harness:
         return upload([torch.randint(0, self.vocab, (n,), generator=self.gen)], self.device)[0]
 
     # -- requests ------------------------------------------------------------------------------
-    def join(self) -> None:
-        """A new request's prefill (uncounted): a prompt above the budget, compressed to it."""
+    def join(self, prompt: int = 0, final: int = 0) -> Request:
+        """A request's prefill (uncounted): a prompt above the budget (random unless given),
+        compressed to it."""
         row = self.free_rows.pop()
-        prompt = int(torch.randint(self.budget + self.budget // 8, 3 * self.budget, (1,), generator=self.gen))
-        final = prompt + int(torch.randint(self.budget // 10, 2 * self.budget // 5, (1,), generator=self.gen))
+        prompt = prompt or int(torch.randint(self.budget + self.budget // 8, 3 * self.budget, (1,), generator=self.gen))
+        final = final or prompt + int(torch.randint(self.budget // 10, 2 * self.budget // 5, (1,), generator=self.gen))
         ids = self.allocator.alloc(prompt)
         self.state.expect([row], [final])
         self.state.alloc_to_lengths(
@@ -200,9 +202,11 @@ class Harness:
         self.state.sentence_marks.record(ids, self._tokens(prompt))
         plan_extend(self.state, [row], [0], [prompt], [ids[:0]], ids, self.device)
         self.state.finish_forward()
-        self.running[row] = Request(row, prompt, final, [ids])
+        self.running[row] = request = Request(row, prompt, final, [ids])
+        return request
 
     def finish(self, request: Request) -> None:
+        """A request finished or was aborted: the state and SGLang's allocator release it."""
         self.state.free(request.row)
         self.allocator.free(torch.cat(request.ids))
         del self.running[request.row]
@@ -221,7 +225,7 @@ class Harness:
             return _Section(cost, timings, section, host_only)
 
         with cost.paused():  # SGLang's own ids (its allocator, the heap's hooks on it)
-            ids = self.allocator.alloc_decode(lengths, lengths, lengths)
+            ids = self.allocator.alloc(len(rows))  # page size 1: SGLang's `alloc_token_slots`
         with timed("allocation", host_only=True):
             state.rows_for_next_decode(rows)  # SGLang's decode check asks the heap
             state.alloc_to_lengths(req_pool_indices_cpu=torch.tensor(rows), target_seq_lens_cpu=lengths + 1)
