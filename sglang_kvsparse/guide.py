@@ -15,10 +15,11 @@ plan: `ColumnPlan.guided`): with room, each layer's own selection is the better 
 keeps what it reads itself as well as the answer, a guided layer only what the late layers read
 (`docs/experiments/2026-12-04-default-knobs.md`).
 
-Cost: until the forward's last sparse layer has run, each sparse layer that selects holds its new
-tokens' K/V (the batch's cached prefixes are read again from the prefix store, which the forward
-pins): stock SGLang's bytes for this forward's tokens, for the length of one forward, bounded by
-the chunked-prefill size and not charged at admission (docs/config.md).
+Cost: until the forward's last sparse layer has run, each sparse layer keeps a guided request's
+new tokens' K/V in heap rows taken for that forward (`ColumnPlan.work_slots`; the batch's cached
+prefixes are read again from the prefix store, which the forward pins): stock SGLang's bytes for
+this forward's tokens, at most the chunked-prefill size, charged at admission with the request
+(`SparseState.prefill_charge`) and given back once the forward has been issued.
 """
 
 from __future__ import annotations

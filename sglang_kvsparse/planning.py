@@ -57,7 +57,8 @@ class ColumnPlan:
     with valid rows past its length), `score_indices` [B, W] their score slots (the lane's score
     view): the decode kernel's table layout.
     `guided` ([B] on the host; None without guide layers): the requests a selecting prefill keeps
-    by the cross-layer guide, those whose budget is below `guide_below` of their prompt.
+    by the cross-layer guide (`SparseState.guided`), and `work_slots` the heap rows their new
+    tokens (at `ForwardPlan.work_positions`) wait in until the guide has chosen.
     Prefill with the prefix store: `prefix_slots` (the matched prefixes' store rows, request-major,
     aligned with `ForwardPlan.prefix_positions`) and `store_slots` (where the new tokens at
     `ForwardPlan.store_positions` are stored, for later hits or the prompt's next chunk).
@@ -73,6 +74,7 @@ class ColumnPlan:
     prefix_slots: torch.Tensor | None = None
     store_slots: torch.Tensor | None = None
     guided: torch.Tensor | None = None
+    work_slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,8 @@ class ForwardPlan:
     tokens go in that layout (None when no request has a prefix). `keeps` [B] (None: all) marks
     the requests that keep entries: a chunk before a prompt's last keeps none (its tokens are
     only stored), and `kept_positions` are then the sequence positions of the requests that do.
-    `store_positions`: which of the batch's new tokens the columns' `store_slots` store.
+    `store_positions`: which of the batch's new tokens the columns' `store_slots` store;
+    `work_positions`: those of guided requests, which wait in the columns' `work_slots`.
     `policy_groups`: when some request has a policy of its own, every policy of the batch with its
     requests (empty: the server's policy serves them all). `sentence_ends` [total_kv] bool: the
     sequence's keys whose token ends a sentence (a prefill on a server that knows its tokens;
@@ -129,6 +132,7 @@ class ForwardPlan:
     keeps: torch.Tensor | None = None
     kept_positions: torch.Tensor | None = None
     store_positions: torch.Tensor | None = None
+    work_positions: torch.Tensor | None = None
     decode_tables: tuple[DecodeTables, ...] = ()  # [group], decode plans only
     evictions: tuple[Eviction, ...] = ()
     policy_groups: tuple[PolicyGroup, ...] = ()
@@ -191,6 +195,7 @@ def plan_extend(
     staging = _Staging()
     writes = [staging.writes(group) for group in state.groups]
     staged_columns = []
+    waiting = torch.zeros(len(index), dtype=torch.bool)  # requests some group keeps by the guide
     for group in state.groups:
         budgets = state.budgets(group, index)
         kept = torch.where(partial, 0, torch.minimum(seq_lens, budgets))
@@ -200,7 +205,10 @@ def plan_extend(
             )
         indices, scores = _indices(state, group, index)
         compress = bool((seq_lens > budgets)[~partial].any())
-        guided = _guided(state, budgets, seq_lens)
+        guided = state.guided(budgets, seq_lens)
+        if guided is not None:
+            guided &= ~partial
+            waiting |= guided
         staged_columns.append(
             [
                 (
@@ -211,10 +219,12 @@ def plan_extend(
                     staging.add(None if prefix_rows is None else prefix_rows[group.first_column + c]),
                     staging.add(None if store_rows is None else store_rows[group.first_column + c]),
                     guided,
+                    group.first_column + c,
                 )
                 for c in range(group.columns)
             ]
         )
+    work_rows, work_positions = _guide_rows(state, waiting, extend)
     at_qo = staging.add(_indptr(extend))
     at_store = staging.add(store_positions)
     policies = staging.policies(state, index)
@@ -227,13 +237,24 @@ def plan_extend(
         kv_indptr = staging.add(_indptr(seq_lens))
         prefix_positions = staging.add(_ranges(starts, prefix))
         new_positions = staging.add(_ranges(starts + prefix, extend))
+    work_slots = [staging.add(rows) for rows in work_rows]
+    at_work = staging.add(work_positions)
     get = staging.send(device)
     for group, write in zip(state.groups, writes):
         _apply_writes(group, write, get)
     columns = tuple(
         tuple(
-            ColumnPlan(get(i), get(sc), budgets, compress, prefix_slots=get(p), store_slots=get(st), guided=guided)
-            for i, sc, budgets, compress, p, st, guided in group_columns
+            ColumnPlan(
+                get(i),
+                get(sc),
+                budgets,
+                compress,
+                prefix_slots=get(p),
+                store_slots=get(st),
+                guided=guided,
+                work_slots=get(work_slots[place]) if work_slots else None,
+            )
+            for i, sc, budgets, compress, p, st, guided, place in group_columns
         )
         for group_columns in staged_columns
     )
@@ -253,8 +274,24 @@ def plan_extend(
         keeps=get(keeps),
         kept_positions=get(kept_positions),
         store_positions=get(at_store),
+        work_positions=get(at_work),
         policy_groups=tuple(PolicyGroup(policy, get(r), get(m)) for policy, r, m in policies),
     )
+
+
+def _guide_rows(
+    state: SparseState, waiting: torch.Tensor, extend: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """(per sparse column, the heap rows [n] the new tokens of the `waiting` requests (host [B])
+    wait in until the guide has chosen; their positions [n] among the batch's new tokens). The
+    rows go back once the forward has been issued; admission charged them (`prefill_charge`)."""
+    if not bool(waiting.any()):
+        return [], None
+    positions = _ranges(_indptr(extend)[:-1][waiting], extend[waiting])
+    rows = state.guide_rows(positions.numel())
+    state.counters.guide_rows_peak = max(state.counters.guide_rows_peak, rows)
+    taken = state.take_for_forward(rows).view(state.layout.num_columns, -1)
+    return list(taken[:, : positions.numel()]), positions
 
 
 class _Staging:
@@ -285,17 +322,6 @@ class _Staging:
     def send(self, device: torch.device | str) -> Callable[[int | None], torch.Tensor | None]:
         on_device = upload(self.host, device)
         return lambda place: None if place is None else on_device[place]
-
-
-def _guided(state: SparseState, budgets: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
-    """The requests (host [B]) a selecting prefill keeps by the guide: with guide layers, those
-    whose budget is below `guide_below` of their whole sequence (all without it)."""
-    if not state.resolved.guide_layers:
-        return None
-    share = state.config.guide_below
-    if share is None:
-        return torch.ones(budgets.shape, dtype=torch.bool)
-    return budgets < share * seq_lens
 
 
 def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | str = "cpu") -> ForwardPlan:

@@ -44,7 +44,9 @@ def sparse_extend(
     `policy` is the server's; a request with its own is scored by it (`plan.policy_groups`).
     With a `guide` (`sglang_kvsparse/guide.py`), a guide layer adds its scores to it, and the
     selection of the requests it guides (`column.guided`: budgets below `guide_below` of their
-    prompt) waits for the guide and keeps by its scores; the others keep by the layer's own.
+    prompt) waits for the guide and keeps by its scores, their new tokens' K/V waiting in heap
+    rows of their own (`column.work_slots`, charged at admission, back after the forward); the
+    others keep at once by the layer's own.
     Either way the prefix was read, not written: the row gets copies. The new tokens' K/V also go
     to their store slots, for later requests that share this prompt; a chunk before its
     prompt's last is only stored (`plan.keeps`). Returns [T, H_q, D].
@@ -87,16 +89,19 @@ def sparse_extend(
     elif guided is None or not bool(guided.any()):
         _keep(k_all, v_all, kv_indptr, scores, plan, column, buffers)
     else:
-        k_new, v_new, heads = k.clone(), v.clone(), k.shape[1]
-        # The keys of requests that keep by this layer's own scores (none when all are guided).
-        own_keys = None if bool(guided.all()) else ~guided.to(k.device)[requests][:, None]
+        own = ~guided
+        if bool(own.any()):  # the requests that keep by this layer's own scores keep now
+            _keep(k_all, v_all, kv_indptr, scores, plan, column, buffers, only=own)
+        # The guided requests' new tokens wait in heap rows of their own (`ColumnPlan.work_slots`).
+        _store(buffers, column.work_slots, k[plan.work_positions], v[plan.work_positions])
 
         def keep_by_guide(guide_scores: torch.Tensor) -> None:
+            k_new, v_new = torch.zeros_like(k), torch.zeros_like(v)
+            k_new[plan.work_positions] = buffers.k[column.work_slots].to(k.dtype)
+            v_new[plan.work_positions] = buffers.v[column.work_slots].to(v.dtype)
             k_seq, v_seq, indptr = sequence_kv(k_new, v_new, plan, column, buffers)
-            by = guide_scores[:, None].expand(-1, heads)
-            if own_keys is not None:  # the sequence layout is the same in every layer of the forward
-                by = torch.where(own_keys, scores, by)
-            _keep(k_seq, v_seq, indptr, by, plan, column, buffers)
+            by = guide_scores[:, None].expand(-1, k.shape[1])
+            _keep(k_seq, v_seq, indptr, by, plan, column, buffers, only=guided)
 
         guide.defer(keep_by_guide)
     return o
@@ -133,18 +138,27 @@ def _keep(
     plan: ForwardPlan,
     column: ColumnPlan,
     buffers: LaneBuffers,
+    only: torch.Tensor | None = None,
 ) -> None:
     """Select sink + window + the best-scored rest up to each request's budget per KV head, and
-    scatter the kept K/V and their scores into the requests' rows."""
+    scatter the kept K/V and their scores into the requests' rows; with `only` (host [B]), into
+    the rows of those requests alone, the others' left as they are."""
     kept, kept_lens = kernels.select_kept(scores, kv_indptr, column.budgets, plan.sink, plan.window)
     if plan.keeps is not None:
         kept_lens = kept_lens * plan.keeps
+    slots, score_slots = column.new_slots, column.new_score_slots
+    if only is not None:  # their places among the rows, which hold every keeping request's, request-major
+        lens = kept_lens.cpu()
+        places = torch.arange(int(lens.sum())).split(lens.tolist())
+        chosen = torch.cat([part for part, mine in zip(places, only.tolist()) if mine]).to(slots.device)
+        slots, score_slots = slots[chosen], score_slots[chosen]
+        kept_lens = kept_lens * only.to(kept_lens.device)
     src = kept_sources(kept, kept_lens, kv_indptr)
     heads = torch.arange(k_all.shape[1], device=k_all.device)[None, :]
-    dst = column.new_slots[:, None]
+    dst = slots[:, None]
     buffers.k[dst, heads] = k_all[src, heads].to(buffers.k.dtype)
     buffers.v[dst, heads] = v_all[src, heads].to(buffers.v.dtype)
-    buffers.scores[column.new_score_slots[:, None], heads] = scores[src, heads]
+    buffers.scores[score_slots[:, None], heads] = scores[src, heads]
 
 
 def policy_groups(plan: ForwardPlan, policy: ScoringPolicy) -> tuple[PolicyGroup, ...]:

@@ -166,6 +166,8 @@ class Counters:
     #: and the most evictions one decode step ran (one per group and (budget, policy)).
     scoring_passes_peak: int = 0
     evictions_per_step_peak: int = 0
+    #: The most heap rows a guided prefill's new tokens waited in during one forward.
+    guide_rows_peak: int = 0
     #: Requests given rows, by their setting's label (`RequestSparsity.label`); a retracted
     #: request counts again when it is readmitted.
     requests_by_setting: dict[str, int] = field(default_factory=dict)
@@ -400,9 +402,13 @@ class SparseState:
     def prefill_peak_rows(self, prompt_len: int, chunk_size: int | None, budget: int = 0) -> int:
         """Most heap rows a prompt's prefill holds: its SGLang ids and entries, and, prefilled in
         chunks of `chunk_size`, its earlier chunks in the prefix store (bounded by the whole
-        prompt) until the last chunk has read them."""
+        prompt) until the last chunk has read them; and, when it keeps by the guide, its last
+        forward's tokens for the length of that forward (`guide_rows`)."""
         held = self.layout.rows_held(prompt_len, budget)
-        if chunk_size is None or chunk_size <= 0 or prompt_len <= chunk_size or self.store is None:
+        chunked = chunk_size is not None and 0 < chunk_size < prompt_len
+        last = min(prompt_len, chunk_size) if chunked else prompt_len
+        held += self.guide_rows(last) if self.waits_for_guide(prompt_len, budget) else 0
+        if not chunked or self.store is None:
             return held
         return held + self.store.rows_per_block * -(-prompt_len // self.page_size)
 
@@ -410,11 +416,46 @@ class SparseState:
         """Heap rows a prefill of tokens [prefix_len, end) of a request whose prefill reaches
         `fill_len` takes beyond SGLang's own ids: a chunk before the last stores its tokens in the
         prefix store (whole blocks), the last chunk (or the whole prompt) the request's entries
-        (at its own `budget`, 0 for the groups')."""
+        (at its own `budget`, 0 for the groups') and, when it keeps by the guide, the rows its
+        new tokens wait in until the guide has chosen (`guide_rows`, back after the forward)."""
         if end >= fill_len or self.store is None:
-            return self.rows_to_hold(final_len, budget)
+            waiting = self.guide_rows(end - prefix_len) if self.waits_for_guide(fill_len, budget) else 0
+            return self.rows_to_hold(final_len, budget) + waiting
         blocks = -(-(end - prefix_len) // self.page_size)
         return blocks * self.store.rows_per_block
+
+    def guided(self, budgets: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
+        """Which requests (host [B], by their budgets in one group and whole sequence lengths) a
+        selecting prefill keeps by the guide: with guide layers, those longer than their budget
+        and, with `guide_below`, whose budget is below that share of their sequence; None without
+        guide layers."""
+        if not self.resolved.guide_layers:
+            return None
+        over = seq_lens > budgets
+        share = self.config.guide_below
+        return over if share is None else over & (budgets < share * seq_lens)
+
+    def waits_for_guide(self, seq_len: int, budget: int = 0) -> bool:
+        """Whether a prefill reaching `seq_len` tokens at this `budget` (0: the groups') keeps by
+        the guide in some group, so that its new tokens wait for it (`guide_rows`)."""
+        lengths = torch.tensor([seq_len])
+        for group in self.groups:
+            guided = self.guided(torch.tensor([budget or group.spec.budget]), lengths)
+            if guided is not None and bool(guided.any()):
+                return True
+        return False
+
+    def guide_rows(self, tokens: int) -> int:
+        """Heap rows `tokens` new tokens of a guided prefill wait in, one per sparse column (whole
+        pages), from the sparse layers' own attention until the guide has chosen."""
+        return round_up(tokens, self.page_size) * self.layout.num_columns
+
+    def take_for_forward(self, rows: int) -> torch.Tensor:
+        """`rows` heap rows (host) that this forward uses and gives back once it has been issued
+        (`finish_forward`), as an eviction's old rows."""
+        taken = self.take(rows)
+        self._deferred.append(taken)
+        return taken
 
     def rows_held(self, row: int) -> int:
         """Heap rows the request in `row` holds in the sparse columns now (scores included)."""

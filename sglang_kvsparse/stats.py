@@ -97,6 +97,9 @@ class SparseStats:
     setting_waits: int
     scoring_passes_peak: int
     evictions_per_step_peak: int
+    #: The most heap rows a guided prefill's new tokens waited in during one forward (charged at
+    #: admission, back after the forward; bounded by the chunked-prefill size).
+    guide_rows_peak: int
     #: Sentence-ending tokens among the keys of the prefills that keep entries, cached prefixes
     #: included (0 without a tokenizer, `--skip-tokenizer-init`: its start-up log says so).
     prefill_sentence_ends: int
@@ -174,6 +177,7 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
         setting_waits=state.counters.setting_waits,
         scoring_passes_peak=state.counters.scoring_passes_peak,
         evictions_per_step_peak=state.counters.evictions_per_step_peak,
+        guide_rows_peak=state.counters.guide_rows_peak,
         prefill_sentence_ends=0 if state.sentence_marks is None else int(state.sentence_marks.counted),
         requests_by_setting=dict(state.counters.requests_by_setting),
     )

@@ -64,12 +64,14 @@ def guided_forward(budgets: list[int], guide_below: float | None):
         guide_from=GUIDE_FROM,
         guide_below=guide_below,
         max_request_budget=max(budgets),
+        rows=512,
     )
     assert state.resolved.guide_layers == (2, 3, 4)
     rows = [1, 2, 3]
     settings = [RequestSparsity(budget=budget) for budget in budgets]
     state.expect(rows, [length + 20 for length in PROMPTS], list(PROMPTS), settings)  # scores in their own rows
     grow(state, rows, list(PROMPTS))
+    free = state.heap.free_rows()
     plan = plan_extend(state, rows, [0] * len(rows), list(PROMPTS))
     gen = torch.Generator().manual_seed(0)
     total = sum(PROMPTS)
@@ -81,14 +83,22 @@ def guided_forward(budgets: list[int], guide_below: float | None):
         )
         for layer in state.resolved.sparse_layers
     }
-    guided = [budget < guide_below * length if guide_below else True for budget, length in zip(budgets, PROMPTS)]
+    guided = [
+        length > budget and (budget < guide_below * length if guide_below else True)
+        for budget, length in zip(budgets, PROMPTS)
+    ]
     assert plan.column(state.layout.sparse_slots[1]).guided.tolist() == guided
+    # Their new tokens wait in heap rows of their own for the forward, one per sparse column.
+    waiting = sum(length for length, mine in zip(PROMPTS, guided) if mine)
+    assert state.heap.free_rows() == free - waiting * state.layout.num_columns
+    assert state.counters.guide_rows_peak == waiting * state.layout.num_columns
     guide = PrefillGuide(state.resolved.guide_layers)
     for layer, (q, k, v) in inputs.items():
         slot = state.layout.sparse_slots[layer]
         sparse_extend(q, k, v, SCALE, plan, plan.column(slot), state.lanes[slot.lane], state.policy, layer, guide)
     guide.finish()
     state.finish_forward()
+    assert state.heap.free_rows() == free  # given back once the forward was issued
     return state, rows, inputs
 
 
@@ -198,3 +208,29 @@ def test_guide_below_round_trips():
 def test_a_bad_guide_below_is_refused_naming_the_field(value):
     with pytest.raises(SparsityConfigError, match="guide_below"):
         SparsityConfig(guide_from=0.5, guide_below=value)
+
+
+def test_admission_charges_the_rows_a_guided_prefill_waits_in():
+    """A request kept by the guide is charged, with its entries, one row per sparse column for
+    each token of its last forward (they wait there until the guide has chosen); one kept by
+    each layer's own scores, or a chunk before the last, is charged as without a guide."""
+    state, _ = make_state(
+        num_layers=LAYERS,
+        full_layers=FULL,
+        budget=BUDGET,
+        window=WINDOW,
+        guide_from=GUIDE_FROM,
+        guide_below=0.45,
+        prefix_cache=True,
+    )
+    columns = state.layout.num_columns
+    assert state.waits_for_guide(23) and not state.waits_for_guide(17) and not state.waits_for_guide(6)
+    assert state.prefill_charge(0, 23, 23, 40) == state.rows_to_hold(40) + 23 * columns
+    assert state.prefill_charge(0, 17, 17, 40) == state.rows_to_hold(40)
+    assert not state.waits_for_guide(23, budget=12)  # a request's own budget: 12 >= 0.45 x 23
+    assert state.prefill_charge(0, 23, 23, 40, budget=12) == state.rows_to_hold(40, 12)
+    # Chunks of 8: the earlier chunks go to the prefix store; the last forward's 7 tokens wait.
+    assert state.prefill_charge(0, 8, 23, 40) == 8 * state.store.rows_per_block
+    assert state.prefill_charge(16, 23, 23, 40) == state.rows_to_hold(40) + 7 * columns
+    assert state.prefill_peak_rows(23, 8) == state.layout.rows_held(23) + 8 * columns + 23 * state.store.rows_per_block
+    assert state.prefill_peak_rows(23, None) == state.layout.rows_held(23) + 23 * columns
