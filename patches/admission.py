@@ -15,7 +15,9 @@ reuse much more of a prompt admitted in the same round waits for the next round
 (`AddReqResult.OTHER`: SGLang stops adding for this round without marking the batch full). A
 request whose own setting would be one more than `max_distinct_settings` among the running and
 admitted ones sits this round out and stays first in the queue (`AddReqResult.CONTINUE`: SGLang
-goes on to the next request).
+goes on to the next request). A request refused for memory while this round's guided prefills
+hold rows that come back after their forward ends the round (`AddReqResult.OTHER`) instead of
+marking the batch full, so it is tried again next round rather than after a running request leaves.
 A fault in this per-request work fails the request alone (`patches/faults.py`).
 
 AFTER `ReqToTokenPool.alloc` (`expect_rows`): when SGLang gives admitted requests their rows, the
@@ -119,12 +121,17 @@ def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any
     with charging(adder, req):
         result = original(adder, req, *args, **kwargs)
     if len(adder.can_run_list) > admitted_before:
-        round_.admitted(token_ids)
+        budget = setting(req).row_budget(state.resolved)
+        round_.admitted(token_ids, state.prefill_guide_rows(req.prefix_len, req.extend_end, fill_len(req), budget))
         if adder.new_chunked_req is req:
             _spend_chunk_budget(adder)
             result = adder.budget_state()
-    elif prefix is not None:
+        return result
+    if prefix is not None:
         state.unpin_prefix(prefix)
+    if result == AddReqResult.NO_TOKEN and round_.short_for_now():
+        state.counters.guide_waits += 1
+        return AddReqResult.OTHER  # first in line next round, when the guided prefills' rows are back
     return result
 
 
@@ -144,12 +151,15 @@ def admit_chunk(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) 
     round, whether this chunk was admitted or refused for memory: SGLang tracks one chunked
     request, and a new one beside a refused continuation fails its `chunked_req is None` assertion
     (stock's charge always fits a continuation; the sparse charge may not, until rows free)."""
-    if _ROUND not in adder.__dict__:
-        _start_round(adder)
+    round_ = adder.__dict__.get(_ROUND) or _start_round(adder)
     with charging(adder, req):
         result = original(adder, req, *args, **kwargs)
     if result is not None:
         _spend_chunk_budget(adder)
+    elif req in adder.can_run_list:  # its last chunk: a guided one holds rows for its forward
+        state = context.state()
+        budget = setting(req).row_budget(state.resolved)
+        round_.admitted((), state.prefill_guide_rows(req.prefix_len, req.extend_end, fill_len(req), budget))
     return result
 
 

@@ -52,10 +52,13 @@ def window_safe_cut(chunk: int, remaining: int, window: int, page_size: int) -> 
 
 
 class AdmissionRound:
-    """The prompts admitted in one scheduling round, for `should_wait`."""
+    """The prompts admitted in one scheduling round, for `should_wait`, and the heap rows their
+    prefills hold only until their forward has been issued (`transient_rows`: a guided
+    prefill's waiting tokens, `SparseState.prefill_guide_rows`)."""
 
     def __init__(self) -> None:
         self._prompts: list[Sequence[int]] = []
+        self.transient_rows = 0
 
     def should_wait(self, token_ids: Sequence[int], prefix_len: int) -> bool:
         """Whether the request is better prefilled next round, when a prompt admitted in this
@@ -65,5 +68,12 @@ class AdmissionRound:
         head = token_ids[:shared]
         return len(head) == shared and any(other[:shared] == head for other in self._prompts)
 
-    def admitted(self, token_ids: Sequence[int]) -> None:
+    def admitted(self, token_ids: Sequence[int], transient_rows: int = 0) -> None:
         self._prompts.append(token_ids)
+        self.transient_rows += transient_rows
+
+    def short_for_now(self) -> bool:
+        """Whether a request refused for memory this round may fit the next: rows this round's
+        prefills hold come back once their forward has been issued. (SGLang marks the batch
+        full after a refusal and admits nothing more until a running request leaves.)"""
+        return self.transient_rows > 0

@@ -166,8 +166,11 @@ class Counters:
     #: and the most evictions one decode step ran (one per group and (budget, policy)).
     scoring_passes_peak: int = 0
     evictions_per_step_peak: int = 0
-    #: The most heap rows a guided prefill's new tokens waited in during one forward.
+    #: The most heap rows a guided prefill's new tokens waited in during one forward, and the
+    #: admissions put off to the next round because this round's guided prefills held rows that
+    #: come back after their forward.
     guide_rows_peak: int = 0
+    guide_waits: int = 0
     #: Requests given rows, by their setting's label (`RequestSparsity.label`); a retracted
     #: request counts again when it is readmitted.
     requests_by_setting: dict[str, int] = field(default_factory=dict)
@@ -419,10 +422,15 @@ class SparseState:
         (at its own `budget`, 0 for the groups') and, when it keeps by the guide, the rows its
         new tokens wait in until the guide has chosen (`guide_rows`, back after the forward)."""
         if end >= fill_len or self.store is None:
-            waiting = self.guide_rows(end - prefix_len) if self.waits_for_guide(fill_len, budget) else 0
-            return self.rows_to_hold(final_len, budget) + waiting
+            return self.rows_to_hold(final_len, budget) + self.prefill_guide_rows(prefix_len, end, fill_len, budget)
         blocks = -(-(end - prefix_len) // self.page_size)
         return blocks * self.store.rows_per_block
+
+    def prefill_guide_rows(self, prefix_len: int, end: int, fill_len: int, budget: int = 0) -> int:
+        """Of `prefill_charge`, the rows a guided prefill's last forward (tokens [prefix_len, end)
+        of a prefill reaching `fill_len`) takes only until it has been issued (`guide_rows`)."""
+        last = end >= fill_len or self.store is None
+        return self.guide_rows(end - prefix_len) if last and self.waits_for_guide(fill_len, budget) else 0
 
     def guided(self, budgets: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
         """Which requests (host [B], by their budgets in one group and whole sequence lengths) a

@@ -98,8 +98,10 @@ class SparseStats:
     scoring_passes_peak: int
     evictions_per_step_peak: int
     #: The most heap rows a guided prefill's new tokens waited in during one forward (charged at
-    #: admission, back after the forward; bounded by the chunked-prefill size).
+    #: admission, back after the forward; bounded by the chunked-prefill size), and admissions
+    #: put off to the next round while such rows were out.
     guide_rows_peak: int
+    guide_waits: int
     #: Sentence-ending tokens among the keys of the prefills that keep entries, cached prefixes
     #: included (0 without a tokenizer, `--skip-tokenizer-init`: its start-up log says so).
     prefill_sentence_ends: int
@@ -178,6 +180,7 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
         scoring_passes_peak=state.counters.scoring_passes_peak,
         evictions_per_step_peak=state.counters.evictions_per_step_peak,
         guide_rows_peak=state.counters.guide_rows_peak,
+        guide_waits=state.counters.guide_waits,
         prefill_sentence_ends=0 if state.sentence_marks is None else int(state.sentence_marks.counted),
         requests_by_setting=dict(state.counters.requests_by_setting),
     )

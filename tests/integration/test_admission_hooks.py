@@ -17,7 +17,9 @@ pytestmark = pytest.mark.integration
 def admission(monkeypatch):
     from sglang_kvsparse.patches import admission, context
 
-    state = SimpleNamespace(resolved=SimpleNamespace(context_len=8192), prefill_charge=lambda *a: 0)
+    state = SimpleNamespace(
+        resolved=SimpleNamespace(context_len=8192), prefill_charge=lambda *a: 0, prefill_guide_rows=lambda *a: 0
+    )
     monkeypatch.setattr(context, "_state", state)
     return admission
 
@@ -63,6 +65,7 @@ def test_a_prompts_last_chunk_leaves_the_budget_to_others(admission):
     def add_chunked_req(adder, req):
         adder.can_run_list.append(req)
         adder.rem_chunk_tokens -= 300
+        req.extend_end = req.prefix_len + 300
         return None
 
     assert admission.admit_chunk(add_chunked_req, adder, req) is None
