@@ -131,7 +131,7 @@ PROFILES: dict[str, CapacityProfile] = {
             variants=(Variant("project", PROJECT_OFF),),
             client_timeout_s=600.0,
         ),
-        # Six: exactly the 3x of stock's two that the test asserts, in the least time.
+        # Six: one more than the five (2.5x stock's two) the test asserts, in the least time.
         _sparse_check(2000, 4096, 6, note=" (run by the test suite)"),
         _sparse_check(4000, 8192, 8),
         CapacityProfile(

@@ -92,3 +92,54 @@ def test_a_new_requests_first_chunk_is_admitted_only_if_its_store_rows_fit(monke
     chunk = _PrefillAdmission(prefix_len=0, extend_len=501, max_new_tokens=0, is_chunked=True, replay_len=0)
     result = chunking.fit_admission(lambda adder, req: chunk, adder, req)
     assert result is chunk if admitted else result == AddReqResult.NO_TOKEN
+
+
+@pytest.mark.parametrize("transient_rows", [0, 28_000])
+def test_a_request_refused_while_guided_prefills_hold_rows_is_tried_next_round(monkeypatch, transient_rows):
+    """A guided prefill's waiting tokens hold heap rows only until its forward has been issued.
+    A request SGLang refuses for memory in the same round is put off to the next round (OTHER),
+    not left to mark the batch full until a running request leaves (NO_TOKEN); without such rows
+    in the round the refusal stands."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from sglang_kvsparse.admission import AdmissionRound
+    from sglang_kvsparse.patches import admission, context
+
+    state = SimpleNamespace(
+        resolved=SimpleNamespace(context_len=8192, request_cap=8192),
+        store=None,
+        counters=SimpleNamespace(guide_waits=0, setting_waits=0),
+        own_settings_running=set,
+        prefill_charge=lambda *a: 0,
+        prefill_guide_rows=lambda *a: transient_rows,
+    )
+    monkeypatch.setattr(context, "_state", state)
+    adder = SimpleNamespace(
+        _kvsparse_admission=AdmissionRound(),
+        token_to_kv_pool_allocator=SimpleNamespace(kvsparse_charge=None),
+        can_run_list=[],
+        new_chunked_req=None,
+        tree_cache=None,
+    )
+
+    def request() -> SimpleNamespace:
+        return SimpleNamespace(
+            rid="r",
+            to_finish=None,
+            origin_input_ids=[1] * 2000,
+            output_ids=[],
+            prefix_len=0,
+            sampling_params=SimpleNamespace(max_new_tokens=32, custom_params=None),
+        )
+
+    def add_one_req(adder, req):  # SGLang: the first fits, the second does not
+        if adder.can_run_list:
+            return AddReqResult.NO_TOKEN
+        req.extend_end = len(req.origin_input_ids)
+        adder.can_run_list.append(req)
+        return AddReqResult.CONTINUE
+
+    assert admission.admit(add_one_req, adder, request()) == AddReqResult.CONTINUE
+    refused = admission.admit(add_one_req, adder, request())
+    assert refused == (AddReqResult.OTHER if transient_rows else AddReqResult.NO_TOKEN)
+    assert state.counters.guide_waits == int(bool(transient_rows))
