@@ -19,43 +19,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import requests
 from common.checkout import ROOT, importable
+from common.frozen import ask, chosen_prompts
 from common.report import ReportPaths, provenance, provenance_line, write_json
 from common.systems import ServerSettings, args_for_report, machine, prepare_model, server_for, shared_server_args
 
 importable()
 
 from kvsparse_testbed.frozen_suite import FROZEN_SUITE  # noqa: E402
-from kvsparse_testbed.ruler import MAX_NEW_TOKENS, RulerPrompt  # noqa: E402
 from sglang_kvsparse.serving_defaults import CPU_MAX_TOTAL_TOKENS  # noqa: E402
 
 #: What the end-to-end tests' "uncached" server is started with beyond the launcher's defaults.
 SERVER_FLAGS = ("--disable-radix-cache",)
-
-
-def ask(base_url: str, prompt: RulerPrompt, budget: int | None) -> dict[str, Any]:
-    """One greedy chat completion at a request budget (None: the server's): the output and
-    whether it is right."""
-    body: dict[str, Any] = {
-        "model": "default",
-        "messages": [{"role": "user", "content": prompt.user_message}],
-        "temperature": 0,
-        "max_tokens": MAX_NEW_TOKENS,
-    }
-    if budget is not None:
-        body["custom_params"] = {"kvsparse": {"budget": budget}}
-    response = requests.post(f"{base_url}/v1/chat/completions", json=body, timeout=900)
-    response.raise_for_status()
-    output = response.json()["choices"][0]["message"]["content"] or ""
-    return {"output": output, "correct": prompt.correct(output)}
-
-
-def chosen_prompts(seeds: list[int], tasks: list[str], lengths: list[int]) -> list[RulerPrompt]:
-    """The frozen suite's prompts of these seeds, tasks and lengths (ids
-    `ruler-s<seed>-<task>-<length>-<i>`)."""
-    wanted = {f"s{seed}-{task}-{length}" for seed in seeds for task in tasks for length in lengths}
-    return [p for p in FROZEN_SUITE.prompts() if p.prompt_id.removeprefix("ruler-").rsplit("-", 1)[0] in wanted]
 
 
 def main() -> None:
@@ -79,7 +54,7 @@ def main() -> None:
         shared = shared_server_args(settings, model_dir, load_args)
         with server_for("project", SERVER_FLAGS, shared, settings, Path(work), print) as server:
             for number, prompt in enumerate(prompts, 1):
-                answers[prompt.prompt_id] = {str(b): ask(server.base_url, prompt, b) for b in budgets}
+                answers[prompt.prompt_id] = {str(b): ask(server.base_url, prompt, {"budget": b}) for b in budgets}
                 marks = " ".join(
                     f"{b}:{'ok' if answers[prompt.prompt_id][str(b)]['correct'] else '--'}" for b in budgets
                 )

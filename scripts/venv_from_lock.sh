@@ -22,5 +22,9 @@ venv_from_lock() {
     "${pip[@]}" install -q --upgrade "pip==24.3.1" "wheel==0.48.0" "setuptools==84.2.1"
     "${pip[@]}" install -q --no-deps -r "$lock"
     "${pip[@]}" install -q --no-deps --no-build-isolation -e "$root"
+    # The test bed is not in the wheel (pyproject.toml): these environments import it from the checkout.
+    local site
+    site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    ln -sfn "$root/testbed" "$site/kvsparse_testbed"
     echo "$stamp" > "$stamp_file"
 }

@@ -404,16 +404,14 @@ class SparseState:
 
     def prefill_peak_rows(self, prompt_len: int, chunk_size: int | None, budget: int = 0) -> int:
         """Most heap rows a prompt's prefill holds: its SGLang ids and entries, and, prefilled in
-        chunks of `chunk_size`, its earlier chunks in the prefix store (bounded by the whole
-        prompt) until the last chunk has read them; and, when it keeps by the guide, its last
-        forward's tokens for the length of that forward (`guide_rows`)."""
+        chunks of `chunk_size`, its earlier chunks in the prefix store until the last chunk has
+        read them, and, when it keeps by the guide, its last forward's tokens for the length of
+        that forward (`guide_rows`): together at most one row per sparse column and token."""
         held = self.layout.rows_held(prompt_len, budget)
-        chunked = chunk_size is not None and 0 < chunk_size < prompt_len
-        last = min(prompt_len, chunk_size) if chunked else prompt_len
-        held += self.guide_rows(last) if self.waits_for_guide(prompt_len, budget) else 0
-        if not chunked or self.store is None:
-            return held
-        return held + self.store.rows_per_block * -(-prompt_len // self.page_size)
+        chunked = chunk_size is not None and 0 < chunk_size < prompt_len and self.store is not None
+        if chunked:  # the earlier chunks in the store and a guided last chunk's tokens: one row per column
+            return held + self.store.rows_per_block * -(-prompt_len // self.page_size)
+        return held + (self.guide_rows(prompt_len) if self.waits_for_guide(prompt_len, budget) else 0)
 
     def prefill_charge(self, prefix_len: int, end: int, fill_len: int, final_len: int, budget: int = 0) -> int:
         """Heap rows a prefill of tokens [prefix_len, end) of a request whose prefill reaches

@@ -22,12 +22,13 @@ EVICT_PAGE = 16  # SparsityConfig.evict_page default
 
 
 def test_sparse_layers_hold_at_most_budget_plus_a_page_while_decoding(unchunked_server):
-    """On the evicting server's settings without chunked prefill: a chunked ~3,000-token prompt
-    would hold its earlier chunks' sparse K/V (42,000 rows) until its last chunk, more than this
-    small heap has, so the chunked server refuses it up front."""
+    """On the evicting server's settings without chunked prefill, a ~2,000-token prompt: its
+    prefill is guided (budget 256 is below 0.15 of it), so for that forward its tokens wait in a
+    heap row per sparse column (28,000 of the heap's 39,000; a 3,000-token prompt would need more
+    than the heap has, chunked or not, and is refused up front). Then it decodes at the budget."""
     evicting_server = unchunked_server
     payload = {
-        "text": long_prompt(13000),
+        "text": long_prompt(8600),
         "sampling_params": {"max_new_tokens": 80, "temperature": 0, "ignore_eos": True},
         "stream": True,
     }
@@ -43,7 +44,7 @@ def test_sparse_layers_hold_at_most_budget_plus_a_page_while_decoding(unchunked_
         full = [row for row in stats["layers"] if row["kind"] == "full"]
         sparse = [row for row in stats["layers"] if row["kind"] == "sparse"]
         assert [row["layer"] for row in full] == [0, 1] and len(sparse) == 28
-        assert all(row["slots_in_use"] > 2800 for row in full)  # the whole ~3,000-token sequence
+        assert all(row["slots_in_use"] > 1900 for row in full)  # the whole ~2,000-token sequence
         assert all(EVICTING_BUDGET <= row["slots_in_use"] <= EVICTING_BUDGET + EVICT_PAGE for row in sparse)
         assert stats["kv_bytes_in_use"] < 0.2 * stats["kv_bytes_if_dense"]
     final = assert_at_rest(evicting_server)

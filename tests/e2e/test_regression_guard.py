@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from regression_guard import ask, chosen_prompts  # noqa: E402
+from common.frozen import ask, chosen_prompts  # noqa: E402
 
 from kvsparse_testbed.frozen_suite import FROZEN_SUITE  # noqa: E402
 
@@ -31,6 +31,6 @@ def test_the_default_still_answers_the_guard_prompts_at_128_and_256(uncached_ser
         (p.prompt_id, budget, answer["output"])
         for p in guard
         for budget in BUDGETS
-        if not (answer := ask(uncached_server.url, p, budget))["correct"]
+        if not (answer := ask(uncached_server.url, p, {"budget": budget}))["correct"]
     ]
     assert not lost, lost

@@ -232,5 +232,6 @@ def test_admission_charges_the_rows_a_guided_prefill_waits_in():
     # Chunks of 8: the earlier chunks go to the prefix store; the last forward's 7 tokens wait.
     assert state.prefill_charge(0, 8, 23, 40) == 8 * state.store.rows_per_block
     assert state.prefill_charge(16, 23, 23, 40) == state.rows_to_hold(40) + 7 * columns
-    assert state.prefill_peak_rows(23, 8) == state.layout.rows_held(23) + 8 * columns + 23 * state.store.rows_per_block
+    # Earlier chunks in the store and the last chunk's waiting tokens: a row per column and token.
+    assert state.prefill_peak_rows(23, 8) == state.layout.rows_held(23) + 23 * state.store.rows_per_block
     assert state.prefill_peak_rows(23, None) == state.layout.rows_held(23) + 23 * columns

@@ -94,3 +94,16 @@ def test_context_and_hooks_are_leaves():
     for leaf in ("sglang_kvsparse.patches.context", "sglang_kvsparse.patches.hooks"):
         patches = {m for m in imports_of(leaf, modules[leaf], set(modules)) if ".patches." in m}
         assert not patches, (leaf, patches)
+
+
+def test_the_wheel_ships_the_product_without_the_test_bed():
+    """`kvsparse_testbed` (prompts, essays, a server manager) serves tests and benchmarks only:
+    the wheel's packages are the product's, and nothing in them imports the test bed."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    packages = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert all(name.startswith("sglang_kvsparse") for name in packages), packages
+    for folder in ("sglang_kvsparse", "kernels", "patches"):
+        for source in (root / folder).rglob("*.py"):
+            assert "kvsparse_testbed" not in source.read_text(), source

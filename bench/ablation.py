@@ -1,0 +1,217 @@
+"""What each knob of the default earns on the frozen suite: the default, and the default with one
+knob at its neutral value, on prompts none of them was chosen on.
+
+Prompts: `kvsparse_testbed.frozen_suite` (its name and hash in the report), a subset by seed, task
+and length. Systems: the full cache (the launcher with `--kvsparse-preset off`), then one server
+with the default preset, where every variant of a policy knob is a request's own policy
+(`custom_params`: `span` with every default knob but one) at each budget, and a server per
+variant of a server-level knob (the guide). Each prompt is asked once per variant and budget,
+greedy, through the chat endpoint (`common.frozen.ask`). A budget counts only the prompts the
+full cache answers and that are longer than it.
+
+Writes `<out-dir>/<stem>.json` (every answer), `.md` (answered prompts per variant and budget, and
+each variant's difference from the default) and `.png`.
+
+    .venv/bin/python bench/ablation.py --seeds 3 --lengths 3000,6000 --budgets 128,512   # ~30 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from common.checkout import ROOT, importable
+from common.frozen import ask, chosen_prompts
+from common.report import ReportPaths, provenance, provenance_line, write_json
+from common.systems import ServerSettings, args_for_report, machine, prepare_model, server_for, shared_server_args
+
+importable()
+
+from kvsparse_testbed.frozen_suite import FROZEN_SUITE  # noqa: E402
+from sglang_kvsparse.config import PRESETS  # noqa: E402
+from sglang_kvsparse.serving_defaults import CPU_MAX_TOTAL_TOKENS  # noqa: E402
+
+DEFAULT = PRESETS["default"]
+#: A policy knob of the default at its neutral value: the default without what the knob adds.
+POLICY_VARIANTS: dict[str, dict[str, Any]] = {
+    "no pooling (pool_kernel 1)": {"pool_kernel": 1},
+    "no reach (reach 0)": {"reach": 0},
+    "no follow (follow 0)": {"follow": 0},
+    "no long follow (long_places 0)": {"long_places": 0},
+    "no sentences (sentence 0)": {"sentence": 0.0},
+}
+#: Server-level knobs: a server each, with this JSON configuration over the default preset's.
+SERVER_VARIANTS: dict[str, dict[str, Any]] = {
+    "no guide (guide_from null)": {"guide_from": None},
+    "guide at every budget (guide_below null)": {"guide_below": None},
+}
+DEFAULT_LABEL = "default"
+#: The default server as the end-to-end tests' "uncached" server runs it (the regression guard's).
+SERVER_FLAGS = ("--disable-radix-cache",)
+
+
+def policy_setting(budget: int, knobs: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's setting: the budget, and the default policy with `knobs` changed (None: the
+    server's policy)."""
+    if knobs is None:
+        return {"budget": budget}
+    policy = {"name": DEFAULT.policy.name, **DEFAULT.policy.options(), **knobs}
+    return {"budget": budget, "policy": policy}
+
+
+def server_config(changes: dict[str, Any]) -> str:
+    """`changes` to the default preset, as `--kvsparse-config` JSON."""
+    return json.dumps(changes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", default="3", help="of the frozen suite's seeds")
+    parser.add_argument("--tasks", default=",".join(FROZEN_SUITE.tasks), help="of the frozen suite's tasks")
+    parser.add_argument("--lengths", default="3000,6000", help="of the frozen suite's lengths")
+    parser.add_argument("--budgets", default="128,512")
+    parser.add_argument("--no-server-variants", action="store_true", help="only the request-level variants")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--stem", default=f"ablation-{dt.date.today().isoformat()}")
+    args = parser.parse_args()
+    budgets = [int(b) for b in args.budgets.split(",")]
+    seeds, lengths = [int(s) for s in args.seeds.split(",")], [int(n) for n in args.lengths.split(",")]
+    prompts = chosen_prompts(seeds, args.tasks.split(","), lengths)
+    settings = ServerSettings("default", "auto", "float32", CPU_MAX_TOTAL_TOKENS, None, 1, 900.0)
+    made = provenance(sys.argv)
+    server_variants = {} if args.no_server_variants else SERVER_VARIANTS
+    answers: dict[str, dict[str, Any]] = {p.prompt_id: {} for p in prompts}
+    paths = ReportPaths(args.out_dir, args.stem)
+
+    def report() -> dict[str, Any]:
+        return {
+            "benchmark": "ablation",
+            "date": dt.date.today().isoformat(),
+            "machine": machine(),
+            "provenance": made,
+            "suite": {"name": FROZEN_SUITE.name, "sha256": FROZEN_SUITE.sha256},
+            "server_args": [*SERVER_FLAGS, *args_for_report(shared, model_dir)],
+            "budgets": budgets,
+            "policy_variants": POLICY_VARIANTS,
+            "server_variants": server_variants,
+            "default": dataclasses.asdict(DEFAULT.policy) | {"name": DEFAULT.policy.name},
+            "lengths": {p.prompt_id: p.target_tokens for p in prompts},
+            "expected": {p.prompt_id: p.answer for p in prompts},
+            "answers": answers,
+        }
+
+    def save() -> None:
+        data = report()
+        write_json(paths, data)
+        paths.markdown.write_text(markdown(data))
+
+    with tempfile.TemporaryDirectory() as work:
+        model_dir, load_args = prepare_model(settings, Path(work))
+        shared = shared_server_args(settings, model_dir, load_args)
+        off = ("--kvsparse-preset", "off", *SERVER_FLAGS)
+        with server_for("full-cache", off, shared, settings, Path(work), print) as server:
+            for number, prompt in enumerate(prompts, 1):
+                answers[prompt.prompt_id]["full"] = ask(server.base_url, prompt, None)
+                print(
+                    f"[full {number}/{len(prompts)}] {prompt.prompt_id} {answers[prompt.prompt_id]['full']['correct']}"
+                )
+        save()
+        asked = [p for p in prompts if answers[p.prompt_id]["full"]["correct"]]
+        variants = {DEFAULT_LABEL: None, **POLICY_VARIANTS}
+        with server_for("project", SERVER_FLAGS, shared, settings, Path(work), print) as server:
+            for label, knobs in variants.items():
+                for prompt in asked:
+                    for budget in budgets:
+                        if prompt.target_tokens > budget:
+                            got = ask(server.base_url, prompt, policy_setting(budget, knobs))
+                            answers[prompt.prompt_id][f"{label}@{budget}"] = got
+                print(f"[{label}] done", flush=True)
+                save()
+        for label, changes in server_variants.items():
+            flags = ("--kvsparse-config", server_config(changes), *SERVER_FLAGS)
+            with server_for("project", flags, shared, settings, Path(work), print) as server:
+                for prompt in asked:
+                    for budget in budgets:
+                        if prompt.target_tokens > budget:
+                            got = ask(server.base_url, prompt, {"budget": budget})
+                            answers[prompt.prompt_id][f"{label}@{budget}"] = got
+            print(f"[{label}] done", flush=True)
+            save()
+    data = report()
+    plot(data, paths.png)
+    print(markdown(data))
+
+
+def tally(data: dict[str, Any]) -> dict[str, dict[int, tuple[int, int]]]:
+    """Per variant and budget: (prompts answered, prompts asked) among those the full cache
+    answers and longer than the budget."""
+    labels = [DEFAULT_LABEL, *data["policy_variants"], *data["server_variants"]]
+    out: dict[str, dict[int, tuple[int, int]]] = {}
+    for label in labels:
+        out[label] = {}
+        for budget in data["budgets"]:
+            cells = [by[f"{label}@{budget}"] for by in data["answers"].values() if f"{label}@{budget}" in by]
+            out[label][budget] = (sum(cell["correct"] for cell in cells), len(cells))
+    return out
+
+
+def markdown(data: dict[str, Any]) -> str:
+    counts = tally(data)
+    full = sum(by.get("full", {}).get("correct", False) for by in data["answers"].values())
+    budgets = data["budgets"]
+    lines = [
+        f"# Ablation of the default on the frozen suite ({data['date']})",
+        provenance_line(data),
+        f"- Suite `{data['suite']['name']}` (sha256 `{data['suite']['sha256'][:16]}`): {len(data['answers'])} prompts; "
+        f"the full cache answers {full}. Cells: answered of those (longer than the budget).",
+        f"- The default's policy: {data['default']}",
+        "",
+        "| variant | " + " | ".join(f"budget {b}" for b in budgets) + " | against the default |",
+        "|---|" + "---:|" * len(budgets) + "---:|",
+    ]
+    base = counts[DEFAULT_LABEL]
+    for label, by_budget in counts.items():
+        cells = [f"{by_budget[b][0]} of {by_budget[b][1]}" if by_budget[b][1] else "—" for b in budgets]
+        delta = sum(by_budget[b][0] - base[b][0] for b in budgets)
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {'—' if label == DEFAULT_LABEL else f'{delta:+d}'} |")
+    lines += [
+        "",
+        "A knob earns its place where removing it loses answers (a negative difference); one run "
+        "of greedy answers, so a difference of one or two prompts is within what another seed moves.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = tally(data)
+    labels = list(counts)
+    fig, axis = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(data["budgets"])
+    for i, budget in enumerate(data["budgets"]):
+        shares = [counts[label][budget][0] / max(counts[label][budget][1], 1) for label in labels]
+        axis.bar([x + i * width for x in range(len(labels))], shares, width, label=f"budget {budget}")
+    axis.set_xticks(
+        [x + width * (len(data["budgets"]) - 1) / 2 for x in range(len(labels))], labels, rotation=25, ha="right"
+    )
+    axis.set(ylabel="answered, of the full cache's", ylim=(0, 1.05))
+    axis.legend()
+    axis.set_title("The default with one knob at its neutral value (frozen suite)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
