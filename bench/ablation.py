@@ -12,7 +12,7 @@ full cache answers and that are longer than it.
 Writes `<out-dir>/<stem>.json` (every answer), `.md` (answered prompts per variant and budget, and
 each variant's difference from the default) and `.png`.
 
-    .venv/bin/python bench/ablation.py --seeds 3 --lengths 3000,6000 --budgets 128,512   # ~30 min
+    .venv/bin/python bench/ablation.py --seeds 3,4,5 --tasks multikey,uuid --lengths 2000,3000 --budgets 128,256  # ~30 min
 """
 
 from __future__ import annotations
@@ -72,10 +72,10 @@ def server_config(changes: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", default="3", help="of the frozen suite's seeds")
+    parser.add_argument("--seeds", default="3,4,5", help="of the frozen suite's seeds")
     parser.add_argument("--tasks", default=",".join(FROZEN_SUITE.tasks), help="of the frozen suite's tasks")
-    parser.add_argument("--lengths", default="3000,6000", help="of the frozen suite's lengths")
-    parser.add_argument("--budgets", default="128,512")
+    parser.add_argument("--lengths", default="2000,3000", help="of the frozen suite's lengths")
+    parser.add_argument("--budgets", default="128,256")
     parser.add_argument("--no-server-variants", action="store_true", help="only the request-level variants")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--stem", default=f"ablation-{dt.date.today().isoformat()}")
@@ -178,8 +178,9 @@ def markdown(data: dict[str, Any]) -> str:
     base = counts[DEFAULT_LABEL]
     for label, by_budget in counts.items():
         cells = [f"{by_budget[b][0]} of {by_budget[b][1]}" if by_budget[b][1] else "—" for b in budgets]
-        delta = sum(by_budget[b][0] - base[b][0] for b in budgets)
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {'—' if label == DEFAULT_LABEL else f'{delta:+d}'} |")
+        ran = all(by_budget[b][1] == base[b][1] for b in budgets) and label != DEFAULT_LABEL
+        delta = f"{sum(by_budget[b][0] - base[b][0] for b in budgets):+d}" if ran else "—"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {delta} |")
     lines += [
         "",
         "A knob earns its place where removing it loses answers (a negative difference); one run "
