@@ -12,7 +12,7 @@ full cache answers and that are longer than it.
 Writes `<out-dir>/<stem>.json` (every answer), `.md` (answered prompts per variant and budget, and
 each variant's difference from the default) and `.png`.
 
-    .venv/bin/python bench/ablation.py --seeds 3,4,5 --tasks multikey,uuid --lengths 2000,3000 --budgets 128,256  # ~30 min
+    .venv/bin/python bench/ablation.py --tasks multikey,uuid   # seeds 3-5, 2-3k tokens, budgets 128 and 256: ~30 min
 """
 
 from __future__ import annotations
