@@ -204,6 +204,7 @@ _REQUEST_COUNTS = (
     "release_waits",
     "eager_decode_steps",
     "setting_waits",
+    "guide_waits",
     "prefill_sentence_ends",
 )
 _HEAP_COUNTS = ("rows_total", "free", "full_running", "full_cached", "sparse", "prefix_store", "evicting", "releasing")

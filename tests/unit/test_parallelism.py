@@ -54,6 +54,7 @@ def _rank(requests: int, free: int, kv_bytes: int) -> dict:
         "evictions": requests,
         **{name: 0 for name in ("host_syncs", "decode_refills", "release_waits", "eager_decode_steps")},
         "setting_waits": 0,
+        "guide_waits": requests,
         "heap_refills": requests,
         "prefill_sentence_ends": 4 * requests,
         "requests_by_setting": {"server": requests, f"budget {requests}": 1},
@@ -91,6 +92,7 @@ def test_replicas_add_up_every_count_and_keep_their_own_stats():
     total = combine_replicas([copy.deepcopy(first), copy.deepcopy(second)])
     assert total["dp_size"] == 2 and total["in_step"] and total["replicas"] == [first, second]
     assert total["requests_running"] == 5 and total["evictions"] == 5 and total["forward_plans"] == 20
+    assert total["guide_waits"] == 5
     assert total["kv_bytes_in_use"] == 140
     assert total["requests_by_setting"] == {"server": 5, "budget 3": 1, "budget 2": 1}
     assert total["heap"]["rows_total"] == 2000 and total["heap"]["free"] == 1600 and total["heap"]["lanes"] == 2
