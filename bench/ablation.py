@@ -27,15 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from common.checkout import ROOT, importable
-from common.frozen import ask, chosen_prompts
+from common.frozen import SERVER_FLAGS, SERVER_SETTINGS, add_selection_arguments, ask, selection
 from common.report import ReportPaths, provenance, provenance_line, write_json
-from common.systems import ServerSettings, args_for_report, machine, prepare_model, server_for, shared_server_args
+from common.systems import args_for_report, machine, prepare_model, server_for, shared_server_args
 
 importable()
 
 from kvsparse_testbed.frozen_suite import FROZEN_SUITE  # noqa: E402
 from sglang_kvsparse.config import PRESETS  # noqa: E402
-from sglang_kvsparse.serving_defaults import CPU_MAX_TOTAL_TOKENS  # noqa: E402
 
 DEFAULT = PRESETS["default"]
 #: A policy knob of the default at its neutral value: the default without what the knob adds.
@@ -52,8 +51,6 @@ SERVER_VARIANTS: dict[str, dict[str, Any]] = {
     "guide at every budget (guide_below null)": {"guide_below": None},
 }
 DEFAULT_LABEL = "default"
-#: The default server as the end-to-end tests' "uncached" server runs it (the regression guard's).
-SERVER_FLAGS = ("--disable-radix-cache",)
 
 
 def policy_setting(budget: int, knobs: dict[str, Any] | None) -> dict[str, Any]:
@@ -72,18 +69,13 @@ def server_config(changes: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", default="3,4,5", help="of the frozen suite's seeds")
-    parser.add_argument("--tasks", default=",".join(FROZEN_SUITE.tasks), help="of the frozen suite's tasks")
-    parser.add_argument("--lengths", default="2000,3000", help="of the frozen suite's lengths")
-    parser.add_argument("--budgets", default="128,256")
+    add_selection_arguments(parser, seeds="3,4,5")
     parser.add_argument("--no-server-variants", action="store_true", help="only the request-level variants")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--stem", default=f"ablation-{dt.date.today().isoformat()}")
     args = parser.parse_args()
-    budgets = [int(b) for b in args.budgets.split(",")]
-    seeds, lengths = [int(s) for s in args.seeds.split(",")], [int(n) for n in args.lengths.split(",")]
-    prompts = chosen_prompts(seeds, args.tasks.split(","), lengths)
-    settings = ServerSettings("default", "auto", "float32", CPU_MAX_TOTAL_TOKENS, None, 1, 900.0)
+    prompts, budgets = selection(args)
+    settings = SERVER_SETTINGS
     made = provenance(sys.argv)
     server_variants = {} if args.no_server_variants else SERVER_VARIANTS
     answers: dict[str, dict[str, Any]] = {p.prompt_id: {} for p in prompts}

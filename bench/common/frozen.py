@@ -4,12 +4,20 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import requests
 
+from common.systems import ServerSettings
 from kvsparse_testbed.frozen_suite import FROZEN_SUITE
 from kvsparse_testbed.ruler import MAX_NEW_TOKENS, RulerPrompt
+from sglang_kvsparse.serving_defaults import CPU_MAX_TOTAL_TOKENS
+
+#: The server these benchmarks ask, as the end-to-end tests' "uncached" server runs: the default
+#: model in float32 on the CPU pool, `--disable-radix-cache` (every prompt prefilled whole).
+SERVER_SETTINGS = ServerSettings("default", "auto", "float32", CPU_MAX_TOTAL_TOKENS, None, 1, 900.0)
+SERVER_FLAGS = ("--disable-radix-cache",)
 
 
 def ask(base_url: str, prompt: RulerPrompt, setting: dict[str, Any] | None) -> dict[str, Any]:
@@ -34,3 +42,17 @@ def chosen_prompts(seeds: list[int], tasks: list[str], lengths: list[int]) -> li
     `ruler-s<seed>-<task>-<length>-<i>`)."""
     wanted = {f"s{seed}-{task}-{length}" for seed in seeds for task in tasks for length in lengths}
     return [p for p in FROZEN_SUITE.prompts() if p.prompt_id.removeprefix("ruler-").rsplit("-", 1)[0] in wanted]
+
+
+def add_selection_arguments(parser: argparse.ArgumentParser, seeds: str) -> None:
+    """The options that choose the suite's prompts (seeds, tasks, lengths) and the budgets."""
+    parser.add_argument("--seeds", default=seeds, help="of the frozen suite's seeds")
+    parser.add_argument("--tasks", default=",".join(FROZEN_SUITE.tasks), help="of the frozen suite's tasks")
+    parser.add_argument("--lengths", default="2000,3000", help="of the frozen suite's lengths")
+    parser.add_argument("--budgets", default="128,256")
+
+
+def selection(args: argparse.Namespace) -> tuple[list[RulerPrompt], list[int]]:
+    """The prompts and budgets `add_selection_arguments`' options chose."""
+    seeds, lengths = [int(s) for s in args.seeds.split(",")], [int(n) for n in args.lengths.split(",")]
+    return chosen_prompts(seeds, args.tasks.split(","), lengths), [int(b) for b in args.budgets.split(",")]
