@@ -75,7 +75,6 @@ def main() -> None:
     parser.add_argument("--stem", default=f"ablation-{dt.date.today().isoformat()}")
     args = parser.parse_args()
     prompts, budgets = selection(args)
-    settings = SERVER_SETTINGS
     made = provenance(sys.argv)
     server_variants = {} if args.no_server_variants else SERVER_VARIANTS
     answers: dict[str, dict[str, Any]] = {p.prompt_id: {} for p in prompts}
@@ -104,10 +103,10 @@ def main() -> None:
         paths.markdown.write_text(markdown(data))
 
     with tempfile.TemporaryDirectory() as work:
-        model_dir, load_args = prepare_model(settings, Path(work))
-        shared = shared_server_args(settings, model_dir, load_args)
+        model_dir, load_args = prepare_model(SERVER_SETTINGS, Path(work))
+        shared = shared_server_args(SERVER_SETTINGS, model_dir, load_args)
         off = ("--kvsparse-preset", "off", *SERVER_FLAGS)
-        with server_for("full-cache", off, shared, settings, Path(work), print) as server:
+        with server_for("full-cache", off, shared, SERVER_SETTINGS, Path(work), print) as server:
             for number, prompt in enumerate(prompts, 1):
                 answers[prompt.prompt_id]["full"] = ask(server.base_url, prompt, None)
                 print(
@@ -116,7 +115,7 @@ def main() -> None:
         save()
         asked = [p for p in prompts if answers[p.prompt_id]["full"]["correct"]]
         variants = {DEFAULT_LABEL: None, **POLICY_VARIANTS}
-        with server_for("project", SERVER_FLAGS, shared, settings, Path(work), print) as server:
+        with server_for("project", SERVER_FLAGS, shared, SERVER_SETTINGS, Path(work), print) as server:
             for label, knobs in variants.items():
                 for prompt in asked:
                     for budget in budgets:
@@ -127,7 +126,7 @@ def main() -> None:
                 save()
         for label, changes in server_variants.items():
             flags = ("--kvsparse-config", server_config(changes), *SERVER_FLAGS)
-            with server_for("project", flags, shared, settings, Path(work), print) as server:
+            with server_for("project", flags, shared, SERVER_SETTINGS, Path(work), print) as server:
                 for prompt in asked:
                     for budget in budgets:
                         if prompt.target_tokens > budget:

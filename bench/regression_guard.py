@@ -37,13 +37,12 @@ def main() -> None:
     parser.add_argument("--stem", default=f"regression-guard-{dt.date.today().isoformat()}")
     args = parser.parse_args()
     prompts, budgets = selection(args)
-    settings = SERVER_SETTINGS
     made = provenance(sys.argv)  # the code that runs, whatever changes while it does
     answers: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as work:
-        model_dir, load_args = prepare_model(settings, Path(work))
-        shared = shared_server_args(settings, model_dir, load_args)
-        with server_for("project", SERVER_FLAGS, shared, settings, Path(work), print) as server:
+        model_dir, load_args = prepare_model(SERVER_SETTINGS, Path(work))
+        shared = shared_server_args(SERVER_SETTINGS, model_dir, load_args)
+        with server_for("project", SERVER_FLAGS, shared, SERVER_SETTINGS, Path(work), print) as server:
             for number, prompt in enumerate(prompts, 1):
                 answers[prompt.prompt_id] = {str(b): ask(server.base_url, prompt, {"budget": b}) for b in budgets}
                 marks = " ".join(
@@ -52,7 +51,7 @@ def main() -> None:
                 print(f"[{number}/{len(prompts)}] {prompt.prompt_id} {marks}", flush=True)
         if args.full_cache:
             off = ("--kvsparse-preset", "off", *SERVER_FLAGS)
-            with server_for("full-cache", off, shared, settings, Path(work), print) as server:
+            with server_for("full-cache", off, shared, SERVER_SETTINGS, Path(work), print) as server:
                 for prompt in prompts:
                     answers[prompt.prompt_id]["full"] = ask(server.base_url, prompt, None)
     full = [pid for pid, by_budget in answers.items() if by_budget.get("full", {}).get("correct")]
