@@ -44,6 +44,7 @@ POLICY_VARIANTS: dict[str, dict[str, Any]] = {
     "no follow (follow 0)": {"follow": 0},
     "no long follow (long_places 0)": {"long_places": 0},
     "no sentences (sentence 0)": {"sentence": 0.0},
+    "no pooling, no reach": {"pool_kernel": 1, "reach": 0},
 }
 #: Server-level knobs: a server each, with this JSON configuration over the default preset's.
 SERVER_VARIANTS: dict[str, dict[str, Any]] = {
@@ -62,6 +63,17 @@ def policy_setting(budget: int, knobs: dict[str, Any] | None) -> dict[str, Any]:
     return {"budget": budget, "policy": policy}
 
 
+def chosen_variants(labels: str | None) -> dict[str, dict[str, Any]]:
+    """The policy variants `--variants` names (all without it); exits naming an unknown label."""
+    if labels is None:
+        return POLICY_VARIANTS
+    chosen = [label.strip() for label in labels.split(";")]
+    unknown = [label for label in chosen if label not in POLICY_VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; known: {list(POLICY_VARIANTS)}")
+    return {label: POLICY_VARIANTS[label] for label in chosen}
+
+
 def server_config(changes: dict[str, Any]) -> str:
     """`changes` to the default preset, as `--kvsparse-config` JSON."""
     return json.dumps(changes)
@@ -71,12 +83,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_selection_arguments(parser, seeds="3,4,5")
     parser.add_argument("--no-server-variants", action="store_true", help="only the request-level variants")
+    parser.add_argument(
+        "--variants", help=f"only these policy variants, labels separated by ';' (of: {'; '.join(POLICY_VARIANTS)})"
+    )
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--stem", default=f"ablation-{dt.date.today().isoformat()}")
     args = parser.parse_args()
     prompts, budgets = selection(args)
     made = provenance(sys.argv)
     server_variants = {} if args.no_server_variants else SERVER_VARIANTS
+    policy_variants = chosen_variants(args.variants)
     answers: dict[str, dict[str, Any]] = {p.prompt_id: {} for p in prompts}
     paths = ReportPaths(args.out_dir, args.stem)
 
@@ -89,7 +105,7 @@ def main() -> None:
             "suite": {"name": FROZEN_SUITE.name, "sha256": FROZEN_SUITE.sha256},
             "server_args": [*SERVER_FLAGS, *args_for_report(shared, model_dir)],
             "budgets": budgets,
-            "policy_variants": POLICY_VARIANTS,
+            "policy_variants": policy_variants,
             "server_variants": server_variants,
             "default": dataclasses.asdict(DEFAULT.policy) | {"name": DEFAULT.policy.name},
             "lengths": {p.prompt_id: p.target_tokens for p in prompts},
@@ -114,7 +130,7 @@ def main() -> None:
                 )
         save()
         asked = [p for p in prompts if answers[p.prompt_id]["full"]["correct"]]
-        variants = {DEFAULT_LABEL: None, **POLICY_VARIANTS}
+        variants = {DEFAULT_LABEL: None, **policy_variants}
         with server_for("project", SERVER_FLAGS, shared, SERVER_SETTINGS, Path(work), print) as server:
             for label, knobs in variants.items():
                 for prompt in asked:
@@ -139,15 +155,21 @@ def main() -> None:
     print(markdown(data))
 
 
-def tally(data: dict[str, Any]) -> dict[str, dict[int, tuple[int, int]]]:
+def task_of(prompt_id: str) -> str:
+    """`ruler-s<seed>-<task>-<length>-<i>` -> task."""
+    return prompt_id.split("-")[2]
+
+
+def tally(data: dict[str, Any], task: str | None = None) -> dict[str, dict[int, tuple[int, int]]]:
     """Per variant and budget: (prompts answered, prompts asked) among those the full cache
-    answers and longer than the budget."""
+    answers and longer than the budget (of one task's prompts, or all)."""
     labels = [DEFAULT_LABEL, *data["policy_variants"], *data["server_variants"]]
+    answers = [by for pid, by in data["answers"].items() if task in (None, task_of(pid))]
     out: dict[str, dict[int, tuple[int, int]]] = {}
     for label in labels:
         out[label] = {}
         for budget in data["budgets"]:
-            cells = [by[f"{label}@{budget}"] for by in data["answers"].values() if f"{label}@{budget}" in by]
+            cells = [by[f"{label}@{budget}"] for by in answers if f"{label}@{budget}" in by]
             out[label][budget] = (sum(cell["correct"] for cell in cells), len(cells))
     return out
 
@@ -172,6 +194,17 @@ def markdown(data: dict[str, Any]) -> str:
         ran = all(by_budget[b][1] == base[b][1] for b in budgets) and label != DEFAULT_LABEL
         delta = f"{sum(by_budget[b][0] - base[b][0] for b in budgets):+d}" if ran else "—"
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {delta} |")
+    tasks = sorted({task_of(pid) for pid in data["answers"]})
+    if len(tasks) > 1:
+        lines += ["", "Per task (answered of asked, over all budgets):", ""]
+        lines += ["| variant | " + " | ".join(tasks) + " |", "|---|" + "---:|" * len(tasks)]
+        by_task = {task: tally(data, task) for task in tasks}
+        for label in counts:
+            cells = []
+            for task in tasks:
+                answered, asked = (sum(by_task[task][label][b][i] for b in budgets) for i in (0, 1))
+                cells.append(f"{answered} of {asked}" if asked else "—")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "A knob earns its place where removing it loses answers (a negative difference); one run "
