@@ -42,26 +42,48 @@ from typing import Any
 
 import torch
 from common.report import ReportPaths, provenance_line, write_json
-from kvpress import ExpectedAttentionPress, KnormPress, PyramidKVPress, SnapKVPress, StreamingLLMPress, TOVAPress
+from kvpress import (
+    AdaKVPress,
+    ExpectedAttentionPress,
+    KnormPress,
+    PyramidKVPress,
+    SnapKVPress,
+    StreamingLLMPress,
+    TOVAPress,
+)
 from kvpress.presses.base_press import BasePress
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from kvsparse_testbed import retrieval, ruler
+from kvsparse_testbed.frozen_suite import FROZEN_SUITE
 from kvsparse_testbed.texts import essay_text
 from sglang_kvsparse.models import ModelUnavailableError, ensure_default_model
 
+PressFactory = Callable[[float], BasePress]  # compression ratio -> press
+
+
+def adakv_snapkv(compression_ratio: float, **parameters: Any) -> AdaKVPress:
+    """Ada-KV over SnapKV's scores (the pairing of the Ada-KV paper): the budget of every KV head
+    together, each head keeping at least `alpha_safeguard` of its share."""
+    alpha = parameters.pop("alpha_safeguard", 0.20)
+    return AdaKVPress(press=SnapKVPress(compression_ratio=compression_ratio, **parameters), alpha_safeguard=alpha)
+
+
 #: The presses a run may name (`DEFAULT_METHODS` unless --methods says otherwise).
-PRESSES: dict[str, type[BasePress]] = {
+PRESSES: dict[str, Callable[..., BasePress]] = {
     "snapkv": SnapKVPress,
     "pyramidkv": PyramidKVPress,
     "streamingllm": StreamingLLMPress,
     "tova": TOVAPress,
     "knorm": KnormPress,
     "expected_attention": ExpectedAttentionPress,
+    "adakv": adakv_snapkv,
 }
 DEFAULT_METHODS = ("snapkv", "pyramidkv", "streamingllm")
-PressFactory = Callable[[float], BasePress]  # compression ratio -> press
+#: The head-masks an Ada-KV press leaves on each attention module after a prefill (kvpress's
+#: attention patch applies them while decoding), per layer; None for a press that drops keys.
+Masks = list[Any] | None
 DEFAULT_BUDGETS = (256, 512, 1024, 2048)
 Variant = tuple[str, int]  # (method label, budget)
 Prompt = retrieval.RetrievalPrompt | ruler.RulerPrompt
@@ -115,8 +137,10 @@ def chat_ids(tokenizer: Any, user_message: str) -> torch.Tensor:
 
 def prefill_fan_out(
     model: PreTrainedModel, ids: torch.Tensor, presses: dict[Variant, BasePress]
-) -> tuple[torch.Tensor, DynamicCache, dict[Variant, DynamicCache]]:
-    """Prefill once; return the last logits, the full cache and one compressed cache per press.
+) -> tuple[torch.Tensor, DynamicCache, dict[Variant, DynamicCache], dict[Variant, Masks]]:
+    """Prefill once; return the last logits, the full cache, one compressed cache per press and
+    each press's head-masks (Ada-KV masks keys per head rather than dropping them: the mask it
+    sets on the module is taken into `masks` and cleared, so that the next press starts clean).
 
     As ``press(model)`` does, each press is initialised from the model and each attention module
     given the model's ``rotary_emb`` (Expected Attention needs both); ``check_fan_out`` compares
@@ -128,6 +152,7 @@ def prefill_fan_out(
         layer.self_attn.rotary_emb = model.model.rotary_emb
     full = DynamicCache(config=model.config)
     caches = {variant: DynamicCache(config=model.config) for variant in presses}
+    masks: dict[Variant, Masks] = {variant: None for variant in presses}
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         layer = module.layer_idx
@@ -136,6 +161,11 @@ def prefill_fan_out(
             cache = caches[variant]
             cache.update(keys, values, layer)
             press.forward_hook(module, args, {**kwargs, "past_key_values": cache}, output)
+            mask = getattr(module, "masked_key_indices", None)
+            if mask is not None:
+                masks[variant] = masks[variant] or [None] * len(model.model.layers)
+                masks[variant][layer] = mask
+                module.masked_key_indices = None
         return output
 
     handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
@@ -145,15 +175,26 @@ def prefill_fan_out(
     finally:
         for handle in handles:
             handle.remove()
-    return logits[0, -1], full, caches
+    return logits[0, -1], full, caches, masks
 
 
-def prefill_kvpress(model: PreTrainedModel, ids: torch.Tensor, press: BasePress) -> DynamicCache:
-    """kvpress's own way: prefill inside ``with press(model)``. Used to check the fan-out."""
+def prefill_kvpress(model: PreTrainedModel, ids: torch.Tensor, press: BasePress) -> tuple[DynamicCache, Masks]:
+    """kvpress's own way: prefill inside ``with press(model)``; the cache and the head-masks it
+    left on the modules (cleared). Used to check the fan-out."""
     cache = DynamicCache(config=model.config)
     with torch.inference_mode(), press(model):
         model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return cache
+    masks = use_masks(model, None)
+    return cache, masks if any(mask is not None for mask in masks) else None
+
+
+def use_masks(model: PreTrainedModel, masks: Masks) -> list[Any]:
+    """Put these head-masks on the attention modules (None: clear them); return those they had."""
+    layers = model.model.layers
+    had = [getattr(layer.self_attn, "masked_key_indices", None) for layer in layers]
+    for layer, mask in zip(layers, masks or [None] * len(layers)):
+        layer.self_attn.masked_key_indices = mask
+    return had
 
 
 def greedy(
@@ -184,19 +225,29 @@ def greedy(
 
 def check_fan_out(model: PreTrainedModel, ids: torch.Tensor, presses: dict[Variant, BasePress]) -> dict[str, Any]:
     """Compare the fan-out's caches with kvpress's own path, one budget per method label."""
-    _, _, fanned = prefill_fan_out(model, ids, presses)
+    _, _, fanned, fanned_masks = prefill_fan_out(model, ids, presses)
     checked: dict[str, Any] = {}
     for method in dict.fromkeys(label for label, _ in presses):
         variant = min(v for v in presses if v[0] == method)
-        reference = prefill_kvpress(model, ids, presses[variant])
+        reference, reference_masks = prefill_kvpress(model, ids, presses[variant])
         identical = all(
             torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
             for a, b in zip(fanned[variant].layers, reference.layers)
-        )
+        ) and same_masks(fanned_masks[variant], reference_masks)
         checked[f"{method}@{variant[1]}"] = identical
         if not identical:
             raise SystemExit(f"fan-out differs from kvpress's own path for {variant}; not a reference")
     return checked
+
+
+def same_masks(a: Masks, b: Masks) -> bool:
+    """Whether two presses' head-masks (tuples of index tensors per layer) are equal."""
+    if a is None or b is None:
+        return a is b
+    return all(
+        (x is None and y is None) or (x is not None and y is not None and all(map(torch.equal, x, y)))
+        for x, y in zip(a, b)
+    )
 
 
 def press_parameters(press: BasePress) -> dict[str, Any]:
@@ -204,9 +255,15 @@ def press_parameters(press: BasePress) -> dict[str, Any]:
     return {k: v for k, v in asdict(press).items() if k != "compression_ratio"}
 
 
-def kept_per_layer(cache: DynamicCache) -> list[int]:
-    """Tokens each layer holds right after prefill: what the press really kept (measured)."""
-    return [layer.keys.shape[-2] for layer in cache.layers]
+def kept_per_layer(cache: DynamicCache, masks: Masks) -> list[int]:
+    """Tokens each layer holds right after prefill, per KV head on average (a head-mask's entries
+    are not kept): what the press really kept (measured)."""
+    kept = []
+    for number, layer in enumerate(cache.layers):
+        tokens = layer.keys.shape[-2]
+        mask = masks[number] if masks else None
+        kept.append(tokens if mask is None else tokens - len(mask[0]) // layer.keys.shape[1])
+    return kept
 
 
 def accuracy_rows(prompts: list[dict[str, Any]], methods: list[str], budgets: list[int]) -> list[dict[str, Any]]:
@@ -327,7 +384,11 @@ def write_report(paths: ReportPaths, report: dict[str, Any]) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="model folder (default: the converted default model)")
-    parser.add_argument("--suites", default="passkey,needle", help="passkey, needle, ruler")
+    parser.add_argument(
+        "--suites",
+        default="passkey,needle",
+        help="passkey, needle, ruler, frozen (the frozen suite's prompts of --ruler-tasks and --ruler-lengths)",
+    )
     add_method_arguments(parser)
     parser.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)))
     parser.add_argument("--lengths", default=",".join(map(str, retrieval.DEFAULT_LENGTHS)))
@@ -418,6 +479,9 @@ def build_prompts(args: argparse.Namespace) -> list[Prompt]:
         elif suite == "needle":
             essays = essay_text(retrieval.min_essay_chars(lengths))
             prompts += retrieval.needle_prompts(essays, args.seed, lengths, depths)
+        elif suite == "frozen":
+            tasks, lengths = args.ruler_tasks.split(","), [int(n) for n in args.ruler_lengths.split(",")]
+            prompts += [p for p in FROZEN_SUITE.prompts() if p.suite in tasks and p.target_tokens in lengths]
         elif suite == "ruler":
             ruler_lengths = [int(n) for n in args.ruler_lengths.split(",")]
             essays = essay_text(ruler.min_essay_chars(ruler_lengths))
@@ -425,7 +489,7 @@ def build_prompts(args: argparse.Namespace) -> list[Prompt]:
                 essays, ruler_seeds(args), args.ruler_tasks.split(","), ruler_lengths, args.ruler_per_length
             )
         else:
-            raise ValueError(f"unknown suite {suite!r} (passkey, needle, ruler)")
+            raise ValueError(f"unknown suite {suite!r} (passkey, needle, ruler, frozen)")
     return prompts[: args.limit] if args.limit else prompts
 
 
@@ -492,6 +556,9 @@ def main(argv: list[str] | None = None) -> int:
             },
             "budgets": budgets,
             "suites": args.suites.split(","),
+            "frozen_suite": {"name": FROZEN_SUITE.name, "sha256": FROZEN_SUITE.sha256}
+            if "frozen" in args.suites.split(",")
+            else None,
             "max_new_tokens": args.max_new_tokens,
             "ruler_max_new_tokens": ruler.MAX_NEW_TOKENS,
             "seed": args.seed,
@@ -528,14 +595,18 @@ def main(argv: list[str] | None = None) -> int:
         if "fan_out_check" not in report:  # the first prompt asked for this report
             report["fan_out_check"] = check_fan_out(model, ids, presses)
             print(f"[fidelity-kvpress] fan-out matches kvpress's own path: {report['fan_out_check']}")
-        first_logits, full, caches = prefill_fan_out(model, ids, presses)
+        first_logits, full, caches, masks = prefill_fan_out(model, ids, presses)
         prefill_s = time.monotonic() - tick
-        kept = {variant: kept_per_layer(cache) for variant, cache in caches.items()}
+        kept = {variant: kept_per_layer(cache, masks[variant]) for variant, cache in caches.items()}
 
         max_new_tokens = ruler.MAX_NEW_TOKENS if isinstance(prompt, ruler.RulerPrompt) else args.max_new_tokens
 
-        def answer(cache: DynamicCache) -> dict[str, Any]:
-            tokens = greedy(model, first_logits, cache, n, max_new_tokens, stop_ids)
+        def answer(cache: DynamicCache, head_masks: Masks = None) -> dict[str, Any]:
+            use_masks(model, head_masks)
+            try:
+                tokens = greedy(model, first_logits, cache, n, max_new_tokens, stop_ids)
+            finally:
+                use_masks(model, None)
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             return {"output": text, "correct": prompt.correct(text)}
 
@@ -544,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         record.update(prompt_tokens=n, full=answer(full), methods={m: {} for m in methods})
         asked = caches if record["full"]["correct"] or args.all_prompts else {}  # only solved prompts count
         for (method, budget), cache in asked.items():
-            result = answer(cache)
+            result = answer(cache, masks[(method, budget)])
             result.update(kept_min=min(kept[(method, budget)]), kept_max=max(kept[(method, budget)]))
             record["methods"][method][str(budget)] = result
         record["seconds"] = {"prefill": round(prefill_s, 1), "total": round(time.monotonic() - tick, 1)}
