@@ -52,6 +52,7 @@ SERVER_VARIANTS: dict[str, dict[str, Any]] = {
     "guide at every budget (guide_below null)": {"guide_below": None},
 }
 DEFAULT_LABEL = "default"
+KVPRESS_BEST = "kvpress, best press per budget"
 
 
 def policy_setting(budget: int, knobs: dict[str, Any] | None) -> dict[str, Any]:
@@ -88,7 +89,16 @@ def main() -> None:
     )
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--stem", default=f"ablation-{dt.date.today().isoformat()}")
+    parser.add_argument(
+        "--kvpress", type=Path, help="a bench/fidelity_kvpress.py report of the frozen suite: its presses beside"
+    )
+    parser.add_argument(
+        "--render", action="store_true", help="rewrite the report of --stem (with --kvpress's rows), asking nothing"
+    )
     args = parser.parse_args()
+    if args.render:
+        render(ReportPaths(args.out_dir, args.stem), args.kvpress)
+        return
     prompts, budgets = selection(args)
     made = provenance(sys.argv)
     server_variants = {} if args.no_server_variants else SERVER_VARIANTS
@@ -150,9 +160,90 @@ def main() -> None:
                             answers[prompt.prompt_id][f"{label}@{budget}"] = got
             print(f"[{label}] done", flush=True)
             save()
-    data = report()
+    save()
+    render(paths, args.kvpress)
+
+
+def render(paths: ReportPaths, kvpress: Path | None) -> None:
+    """Write the markdown and the plot of the report at `paths`, with kvpress's answers from the
+    report at `kvpress` (which must be of the same suite) added to it."""
+    data = json.loads(paths.json.read_text())
+    if kvpress is not None:
+        data["kvpress"] = kvpress_answers(json.loads(kvpress.read_text()), kvpress.name, data)
+        write_json(paths, data)
+    paths.markdown.write_text(markdown(data))
     plot(data, paths.png)
-    print(markdown(data))
+    print(paths.markdown.read_text())
+
+
+def kvpress_answers(report: dict[str, Any], name: str, data: dict[str, Any]) -> dict[str, Any]:
+    """kvpress's full-cache answer and each press's per budget, for the prompts `data` asked."""
+    if (report["settings"].get("frozen_suite") or {}).get("sha256") != data["suite"]["sha256"]:
+        raise SystemExit(f"{name} is not a run of the frozen suite {data['suite']['name']}")
+    by_id = {p["prompt_id"]: p for p in report["prompts"] if p["prompt_id"] in data["answers"]}
+    presses = {
+        label: {
+            str(budget): {
+                pid: p["methods"][label][str(budget)]["correct"]
+                for pid, p in by_id.items()
+                if str(budget) in p["methods"].get(label, {})
+            }
+            for budget in data["budgets"]
+        }
+        for label in report["settings"]["press_parameters"]
+    }
+    return {
+        "report": name,
+        "kvpress": report["settings"]["kvpress"],
+        "full": {pid: p["full"]["correct"] for pid, p in by_id.items()},
+        "presses": presses,
+    }
+
+
+def kvpress_rows(data: dict[str, Any]) -> tuple[list[str], dict[str, dict[int, tuple[int, int]]]]:
+    """The prompts both full caches answer (kvpress runs a press only where its full cache
+    answers), and per system (the default, the variants, every press and kvpress's best) and
+    budget: (answered, asked) of them."""
+    theirs = data["kvpress"]
+    both = [pid for pid, by in data["answers"].items() if by.get("full", {}).get("correct") and theirs["full"].get(pid)]
+    budgets = data["budgets"]
+    rows: dict[str, dict[int, tuple[int, int]]] = {}
+    for label in [DEFAULT_LABEL, *data["policy_variants"], *data["server_variants"]]:
+        rows[label] = {}
+        for budget in budgets:
+            cells = [data["answers"][pid].get(f"{label}@{budget}") for pid in both]
+            cells = [c for c in cells if c is not None]
+            rows[label][budget] = (sum(c["correct"] for c in cells), len(cells))
+    presses = [f"kvpress {label}" for label in theirs["presses"]]
+    for label, per_budget in theirs["presses"].items():
+        rows[f"kvpress {label}"] = {
+            b: (sum(per_budget[str(b)].get(pid, False) for pid in both), sum(pid in per_budget[str(b)] for pid in both))
+            for b in budgets
+        }
+    rows[KVPRESS_BEST] = {b: max((rows[p][b] for p in presses), default=(0, 0)) for b in budgets}
+    return both, rows
+
+
+def against_kvpress(data: dict[str, Any]) -> list[str]:
+    """Markdown: `kvpress_rows` as a table."""
+    theirs = data["kvpress"]
+    budgets = data["budgets"]
+    both, rows = kvpress_rows(data)
+    lines = [
+        "",
+        f"## Beside NVIDIA kvpress {theirs['kvpress']} (`{theirs['report']}`)",
+        "",
+        f"On the {len(both)} prompts both full caches answer (this server's and Hugging Face's under kvpress); "
+        "kvpress compresses the whole prompt at the end of prefill, every layer at the budget.",
+        "",
+        "| system | " + " | ".join(f"budget {b}" for b in budgets) + " | all budgets |",
+        "|---|" + "---:|" * (len(budgets) + 1),
+    ]
+    for label, per_budget in rows.items():
+        cells = [f"{per_budget[b][0]} of {per_budget[b][1]}" if per_budget[b][1] else "—" for b in budgets]
+        total = sum(per_budget[b][0] for b in budgets)
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {total} |")
+    return lines
 
 
 def task_of(prompt_id: str) -> str:
@@ -205,6 +296,8 @@ def markdown(data: dict[str, Any]) -> str:
                 answered, asked = (sum(by_task[task][label][b][i] for b in budgets) for i in (0, 1))
                 cells.append(f"{answered} of {asked}" if asked else "—")
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if "kvpress" in data:
+        lines += against_kvpress(data)
     lines += [
         "",
         "A knob earns its place where removing it loses answers (a negative difference); one run "
@@ -220,7 +313,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    counts = tally(data)
+    counts = kvpress_rows(data)[1] if "kvpress" in data else tally(data)
     labels = list(counts)
     fig, axis = plt.subplots(figsize=(9, 4))
     width = 0.8 / len(data["budgets"])
@@ -232,7 +325,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
     )
     axis.set(ylabel="answered, of the full cache's", ylim=(0, 1.05))
     axis.legend()
-    axis.set_title("The default with one knob at its neutral value (frozen suite)")
+    beside = ", kvpress beside (prompts both full caches answer)" if "kvpress" in data else ""
+    axis.set_title(f"The default with one knob at its neutral value (frozen suite){beside}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -111,12 +111,63 @@ def test_a_custom_fidelity_variant_is_the_default_recipe_with_its_config() -> No
             fidelity.custom_variant(spec)
 
 
-def _fidelity_module() -> ModuleType:
-    sys.path.insert(0, str(BENCH))  # fidelity.py imports its siblings as `common.*`
+def _fidelity_module(script: str = "fidelity.py") -> ModuleType:
+    sys.path.insert(0, str(BENCH))  # the scripts import their siblings as `common.*`
     try:
-        return _load("fidelity.py")
+        return _load(script)
     finally:
         sys.path.remove(str(BENCH))
+
+
+def test_ablation_beside_kvpress_counts_prompts_both_full_caches_answer() -> None:
+    ablation = _fidelity_module("ablation.py")
+    ok, wrong = {"correct": True}, {"correct": False}
+    data = {
+        "suite": {"name": "frozen", "sha256": "abc"},
+        "budgets": [64, 128],
+        "policy_variants": {"no follow": {"follow": 0}},
+        "server_variants": {},
+        "answers": {
+            "a": {"full": ok, "default@64": ok, "default@128": ok, "no follow@64": wrong, "no follow@128": ok},
+            "b": {"full": ok, "default@64": wrong, "default@128": ok, "no follow@64": wrong, "no follow@128": ok},
+            "c": {"full": ok, "default@64": ok, "default@128": ok},  # kvpress's full cache misses it
+            "d": {"full": wrong},
+        },
+    }
+
+    def prompt(pid: str, full: bool, snap: tuple[bool, ...], ada: tuple[bool, ...]) -> dict:
+        methods = {
+            "snapkv": {str(b): {"correct": c} for b, c in zip((64, 128), snap)},
+            "adakv": {str(b): {"correct": c} for b, c in zip((64, 128), ada)},
+        }
+        return {"prompt_id": pid, "full": {"correct": full}, "methods": methods if full else {}}
+
+    kvpress = {
+        "settings": {
+            "frozen_suite": {"sha256": "abc"},
+            "kvpress": "0.5.5",
+            "press_parameters": {"snapkv": {}, "adakv": {}},
+        },
+        "prompts": [
+            prompt("a", True, (True, False), (False, True)),
+            prompt("b", True, (False, False), (False, True)),
+            prompt("c", False, (), ()),
+            prompt("e", True, (True, True), (True, True)),  # not asked by the ablation
+        ],
+    }
+    data["kvpress"] = ablation.kvpress_answers(kvpress, "kvpress.json", data)
+    both, rows = ablation.kvpress_rows(data)
+    assert both == ["a", "b"]
+    assert rows["default"] == {64: (1, 2), 128: (2, 2)}
+    assert rows["no follow"] == {64: (0, 2), 128: (2, 2)}
+    assert rows["kvpress snapkv"] == {64: (1, 2), 128: (0, 2)}
+    assert rows["kvpress adakv"] == {64: (0, 2), 128: (2, 2)}
+    assert rows[ablation.KVPRESS_BEST] == {64: (1, 2), 128: (2, 2)}
+    table = "\n".join(ablation.against_kvpress(data))
+    assert "| default | 1 of 2 | 2 of 2 | 3 |" in table
+    kvpress["settings"]["frozen_suite"]["sha256"] = "other"
+    with pytest.raises(SystemExit, match="not a run of the frozen suite"):
+        ablation.kvpress_answers(kvpress, "kvpress.json", data)
 
 
 def test_kvpress_rows_count_prompts_both_full_caches_solve_and_name_the_best_press() -> None:
