@@ -45,6 +45,7 @@ from common.device_cost import DeviceCost, SimDevice, count_kernels, count_trito
 from common.report import ReportPaths, provenance, write_json  # noqa: E402
 
 from sglang_kvsparse import kernels  # noqa: E402
+from sglang_kvsparse.admission import rows_for_next_decode  # noqa: E402
 from sglang_kvsparse.config import PRESETS, SparsityConfig  # noqa: E402
 from sglang_kvsparse.decode_graph import DecodeBuffers  # noqa: E402
 from sglang_kvsparse.device_copy import upload  # noqa: E402
@@ -53,7 +54,8 @@ from sglang_kvsparse.patches.allocator import attach, make_heap  # noqa: E402
 from sglang_kvsparse.planning import plan_decode, plan_extend  # noqa: E402
 from sglang_kvsparse.sentences import SentenceMarks  # noqa: E402
 from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode  # noqa: E402
-from sglang_kvsparse.sparse_state import LaneBuffers, SparseState  # noqa: E402
+from sglang_kvsparse.sparse_group import LaneBuffers  # noqa: E402
+from sglang_kvsparse.sparse_state import SparseState  # noqa: E402
 
 SECTIONS = ("allocation", "planning", "eviction", "layers", "release")
 #: Before a captured decode step replays: the plan's tables copied into the graph's fixed
@@ -227,7 +229,7 @@ class Harness:
         with cost.paused():  # SGLang's own ids (its allocator, the heap's hooks on it)
             ids = self.allocator.alloc(len(rows))  # page size 1: SGLang's `alloc_token_slots`
         with timed("allocation", host_only=True):
-            state.rows_for_next_decode(rows)  # SGLang's decode check asks the heap
+            rows_for_next_decode(state, rows)  # SGLang's decode check asks the heap
             state.alloc_to_lengths(req_pool_indices_cpu=torch.tensor(rows), target_seq_lens_cpu=lengths + 1)
         tokens = self._tokens(len(rows))  # the step's input ids, on the device as SGLang's are
         with timed("planning"):

@@ -6,7 +6,7 @@ over (its evicted rows and pins are released) and the running requests' sparse g
 SGLang's budget (`admission.running_growth`). For each request the heap allocator's
 `request_slot_reserve`, which SGLang adds to the request's charge on every admission path, answers
 the sparse rows of the prefill SGLang is sizing while it decides (`allocator.kvsparse_charge`,
-`SparseState.prefill_charge`: a chunk before the prompt's last takes store rows, the last chunk
+`admission.prefill_charge`: a chunk before the prompt's last takes store rows, the last chunk
 the request's entries); a request reusing a cached prefix pins the prefix's store blocks first
 (unpinned if SGLang refuses it). AROUND `PrefillAdder.add_chunked_req` does the same for the
 next chunk of a chunked prompt; once a chunk before its prompt's last is admitted, no other
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResult
 
-from sglang_kvsparse.admission import AdmissionRound, running_growth
+from sglang_kvsparse.admission import AdmissionRound, prefill_charge, prefill_guide_rows, running_growth
 from sglang_kvsparse.request_sparsity import SERVER_GROUPING, RequestSparsity, one_setting_too_many, parse_request
 
 from . import context, faults
@@ -86,7 +86,7 @@ def charging(adder: Any, req: Any) -> Iterator[None]:
     budget = setting(req).row_budget(state.resolved)
 
     def charge(end: int) -> int:
-        return state.prefill_charge(req.prefix_len, end, fill, final, budget)
+        return prefill_charge(state, req.prefix_len, end, fill, final, budget)
 
     allocator = adder.token_to_kv_pool_allocator
     allocator.kvsparse_charge = charge
@@ -122,7 +122,7 @@ def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any
         result = original(adder, req, *args, **kwargs)
     if len(adder.can_run_list) > admitted_before:
         budget = setting(req).row_budget(state.resolved)
-        round_.admitted(token_ids, state.prefill_guide_rows(req.prefix_len, req.extend_end, fill_len(req), budget))
+        round_.admitted(token_ids, prefill_guide_rows(state, req.prefix_len, req.extend_end, fill_len(req), budget))
         if adder.new_chunked_req is req:
             _spend_chunk_budget(adder)
             result = adder.budget_state()
@@ -159,7 +159,7 @@ def admit_chunk(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) 
     elif req in adder.can_run_list:  # its last chunk: a guided one holds rows for its forward
         state = context.state()
         budget = setting(req).row_budget(state.resolved)
-        round_.admitted((), state.prefill_guide_rows(req.prefix_len, req.extend_end, fill_len(req), budget))
+        round_.admitted((), prefill_guide_rows(state, req.prefix_len, req.extend_end, fill_len(req), budget))
     return result
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from sglang_kvsparse.admission import prefill_peak_rows, rows_for_next_decode
 from sglang_kvsparse.device_copy import upload
 from sglang_kvsparse.layout import round_up
 from sglang_kvsparse.sparse_state import SparseState
@@ -209,7 +210,7 @@ def heap_allocator_class(base: type) -> type:
 
         def check_decode_capacity(self, *, num_tokens: int, tree_cache, requests=None, spec_algorithm=None) -> bool:
             rows = [r.kv.req_pool_idx for r in requests or () if r.kv.req_pool_idx is not None]
-            need = num_tokens + self.kvsparse_state.rows_for_next_decode(rows)
+            need = num_tokens + rows_for_next_decode(self.kvsparse_state, rows)
             self.evict_to_free_tokens(tree_cache, need)
             return self.available_size() >= need
 
@@ -218,7 +219,7 @@ def heap_allocator_class(base: type) -> type:
         ):
             rows = token_capacity - self.page_size - 1
             layout = self.kvsparse_state.layout
-            if self.kvsparse_state.prefill_peak_rows(input_tokens, chunk_size) > rows:
+            if prefill_peak_rows(self.kvsparse_state, input_tokens, chunk_size) > rows:
                 return None
             longest = layout.longest_fitting(rows)
             return max(0, min(max_new_tokens, longest - round_up(input_tokens, self.page_size)))

@@ -27,7 +27,8 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang_kvsparse.backends import WRAPPED_BACKENDS
 from sglang_kvsparse.decode_graph import DecodeBuffers
 from sglang_kvsparse.guide import PrefillGuide
-from sglang_kvsparse.planning import ForwardPlan, MixedPlan, plan_extend
+from sglang_kvsparse.planning import plan_extend
+from sglang_kvsparse.plans import ForwardPlan, MixedPlan
 from sglang_kvsparse.sparse_attention import prepare_decode, sparse_decode, sparse_extend, sparse_mixed
 from sglang_kvsparse.sparse_state import SparseState
 

@@ -34,7 +34,9 @@ from sglang_kvsparse.model_support import unsupported_features
 from sglang_kvsparse.option_support import REFUSED, refusals
 from sglang_kvsparse.parallelism import parallelism_problems
 from sglang_kvsparse.sentences import SentenceMarks, sentence_end_tokens
-from sglang_kvsparse.sparse_state import LaneBuffers, SparseState
+from sglang_kvsparse.sparse_group import LaneBuffers
+from sglang_kvsparse.sparse_state import SparseState
+from sglang_kvsparse.stats import describe_tables
 
 from . import allocator, attention, context
 from .hooks import unpatched
@@ -148,7 +150,7 @@ def make_attach_state(config: SparsityConfig):
         runner.req_to_token_pool.attach_aux_cache(state)
         context.install(state)
         log_layout(config, state.layout, lanes[0], rows, resolved.context_len)
-        print(f"[sglang-kvsparse] {state.describe_tables()}", file=sys.stderr, flush=True)
+        print(f"[sglang-kvsparse] {describe_tables(state)}", file=sys.stderr, flush=True)
 
     return attach_state
 

@@ -6,7 +6,7 @@ rows, so SGLang's own budget does the whole check once it is told about the spar
 (`patches/admission.py`, `patches/allocator.py`):
 
 * a new request is charged, on top of SGLang's charge, the most sparse rows it can hold at its
-  own budget: `SparseState.rows_to_hold(final length, budget)`, final length = prompt + its
+  own budget: `rows_to_hold(state, final length, budget)`, final length = prompt + its
   (clipped) max_new_tokens, exactly as SGLang charges its full-pool tokens;
 * a running request is charged what its sparse rows may still grow by, scaled by SGLang's
   `new_token_ratio` as SGLang scales its remaining tokens, so a request no longer than the budget
@@ -14,7 +14,7 @@ rows, so SGLang's own budget does the whole check once it is told about the spar
 * a request reusing a cached prefix pins the prefix's store blocks, which stop counting as free.
 
 * a chunk before a prompt's last is charged the prefix-store rows its tokens take
-  (`SparseState.prefill_charge`), and SGLang's cut is moved so that the last chunk holds the
+  (`prefill_charge`), and SGLang's cut is moved so that the last chunk holds the
   whole observation window (`window_safe_cut`).
 
 A burst of requests sharing a new system prompt, prefilled in one batch, would all miss the cache.
@@ -28,16 +28,85 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import torch
+
 from sglang_kvsparse.sparse_state import SparseState
 
 #: Tokens a prompt admitted this round must add to a waiting request's cache hit for it to wait.
 SHARED_PREFIX_WAIT_TOKENS = 256
 
 
+def rows_to_hold(state: SparseState, final_len: int, budget: int = 0) -> int:
+    """Most heap rows a request reaching `final_len` tokens holds in the sparse columns
+    (`budget`: its own, `RequestSparsity.row_budget`; 0 for the groups')."""
+    return sum(state.layout.sparse_rows(group.spec, final_len, budget) for group in state.groups)
+
+
+def row_rows_to_hold(state: SparseState, row: int, final_len: int) -> int:
+    """`rows_to_hold` of the request in `row`, at its own budget."""
+    return rows_to_hold(state, final_len, int(state.request_budget[row]))
+
+
+def prefill_peak_rows(state: SparseState, prompt_len: int, chunk_size: int | None, budget: int = 0) -> int:
+    """Most heap rows a prompt's prefill holds: its SGLang ids and entries, and, prefilled in
+    chunks of `chunk_size`, its earlier chunks in the prefix store until the last chunk has
+    read them, and, when it keeps by the guide, its last forward's tokens for the length of
+    that forward (`guide_rows`): together at most one row per sparse column and token."""
+    held = state.layout.rows_held(prompt_len, budget)
+    chunked = chunk_size is not None and 0 < chunk_size < prompt_len and state.store is not None
+    if chunked:  # the earlier chunks in the store and a guided last chunk's tokens: one row per column
+        return held + state.store.rows_per_block * -(-prompt_len // state.page_size)
+    return held + (state.guide_rows(prompt_len) if waits_for_guide(state, prompt_len, budget) else 0)
+
+
+def prefill_charge(
+    state: SparseState, prefix_len: int, end: int, fill_len: int, final_len: int, budget: int = 0
+) -> int:
+    """Heap rows a prefill of tokens [prefix_len, end) of a request whose prefill reaches
+    `fill_len` takes beyond SGLang's own ids: a chunk before the last stores its tokens in the
+    prefix store (whole blocks), the last chunk (or the whole prompt) the request's entries
+    (at its own `budget`, 0 for the groups') and, when it keeps by the guide, the rows its
+    new tokens wait in until the guide has chosen (`guide_rows`, back after the forward)."""
+    if end >= fill_len or state.store is None:
+        return rows_to_hold(state, final_len, budget) + prefill_guide_rows(state, prefix_len, end, fill_len, budget)
+    blocks = -(-(end - prefix_len) // state.page_size)
+    return blocks * state.store.rows_per_block
+
+
+def prefill_guide_rows(state: SparseState, prefix_len: int, end: int, fill_len: int, budget: int = 0) -> int:
+    """Of `prefill_charge`, the rows a guided prefill's last forward (tokens [prefix_len, end)
+    of a prefill reaching `fill_len`) takes only until it has been issued (`guide_rows`)."""
+    last = end >= fill_len or state.store is None
+    return state.guide_rows(end - prefix_len) if last and waits_for_guide(state, fill_len, budget) else 0
+
+
+def waits_for_guide(state: SparseState, seq_len: int, budget: int = 0) -> bool:
+    """Whether a prefill reaching `seq_len` tokens at this `budget` (0: the groups') keeps by
+    the guide in some group, so that its new tokens wait for it (`guide_rows`)."""
+    lengths = torch.tensor([seq_len])
+    for group in state.groups:
+        guided = state.guided(torch.tensor([budget or group.spec.budget]), lengths)
+        if guided is not None and bool(guided.any()):
+            return True
+    return False
+
+
+def rows_for_next_decode(state: SparseState, rows: list[int]) -> int:
+    """Fresh heap rows the next decode step of `rows` takes in the sparse columns (the rows an
+    eviction frees come back only after the forward, so they are not netted)."""
+    index = torch.tensor(rows, dtype=torch.int64)
+    total = 0
+    for group in state.groups:
+        held = group.table.lengths[index]
+        kept = torch.where(held == state.max_entries(group, index), state.budgets(group, index), held)
+        total += int((kept % state.page_size == 0).sum()) * group.columns * state.page_size
+    return total
+
+
 def running_growth(state: SparseState, running: Iterable[tuple[int, int, float]]) -> float:
     """Sparse rows the running requests (row, final length, SGLang's ratio for it) may still take."""
     return sum(
-        ratio * max(state.row_rows_to_hold(row, final_len) - state.rows_held(row), 0)
+        ratio * max(row_rows_to_hold(state, row, final_len) - state.rows_held(row), 0)
         for row, final_len, ratio in running
     )
 
@@ -54,7 +123,7 @@ def window_safe_cut(chunk: int, remaining: int, window: int, page_size: int) -> 
 class AdmissionRound:
     """The prompts admitted in one scheduling round, for `should_wait`, and the heap rows their
     prefills hold only until their forward has been issued (`transient_rows`: a guided
-    prefill's waiting tokens, `SparseState.prefill_guide_rows`)."""
+    prefill's waiting tokens, `prefill_guide_rows`)."""
 
     def __init__(self) -> None:
         self._prompts: list[Sequence[int]] = []

@@ -2,7 +2,7 @@
 
 A captured graph replays the same kernels on the same tensors, so everything a sparse layer reads
 must live in buffers allocated before capture and be updated in place before each replay. Per
-group of sparse columns, `DecodeBuffers` holds the decode tables (`planning.DecodeTables`) of up
+group of sparse columns, `DecodeBuffers` holds the decode tables (`plans.DecodeTables`) of up
 to `max_bs` requests at the group's widest row (at the largest budget a request may ask for).
 Before a replay, the step's plan is built as for an eager step (`planning.plan_decode`), its
 evictions run (`sparse_attention.evict_planned`: their shapes vary, so they stay outside the
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_kvsparse.planning import DecodeTables, ForwardPlan
+from sglang_kvsparse.plans import DecodeTables, ForwardPlan
 from sglang_kvsparse.sparse_state import SparseState
 
 

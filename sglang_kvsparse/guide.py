@@ -19,7 +19,7 @@ Cost: until the forward's last sparse layer has run, each sparse layer keeps a g
 new tokens' K/V in heap rows taken for that forward (`ColumnPlan.work_slots`; the batch's cached
 prefixes are read again from the prefix store, which the forward pins): stock SGLang's bytes for
 this forward's tokens, at most the chunked-prefill size, charged at admission with the request
-(`SparseState.prefill_charge`) and given back once the forward has been issued.
+(`admission.prefill_charge`) and given back once the forward has been issued.
 """
 
 from __future__ import annotations

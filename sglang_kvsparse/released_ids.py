@@ -25,7 +25,7 @@ from sglang_kvsparse.device_copy import HostCopy
 from sglang_kvsparse.prefix_store import PrefixStore
 
 if TYPE_CHECKING:
-    from sglang_kvsparse.sparse_state import Counters
+    from sglang_kvsparse.counters import Counters
 
 
 class ReleasedIds:

@@ -20,7 +20,7 @@ at once (`one_setting_too_many`: a request with one more waits). The HTTP proces
 setting before the request is queued (`check_request`: a 400 naming the field and the limit);
 admission charges each request the rows its own setting holds, and the sparse
 layers keep, compress and evict each request to its own budget by its own policy
-(`SparseState.expect`, `planning.PolicyGroup`).
+(`SparseState.expect`, `plans.PolicyGroup`).
 """
 
 from __future__ import annotations

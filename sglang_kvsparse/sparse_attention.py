@@ -16,9 +16,11 @@ from sglang_kvsparse import kernels
 from sglang_kvsparse.guide import PrefillGuide
 from sglang_kvsparse.kernels.common import positions_in_segment, segment_ids
 from sglang_kvsparse.layout import GroupSpec, HeapLayout, SparseSlot
-from sglang_kvsparse.planning import ColumnPlan, Eviction, ForwardPlan, MixedPlan, PolicyGroup, plan_decode
+from sglang_kvsparse.planning import plan_decode
+from sglang_kvsparse.plans import ColumnPlan, Eviction, ForwardPlan, MixedPlan, PolicyGroup
 from sglang_kvsparse.policies import PrefillScoringInputs, ScoringPolicy
-from sglang_kvsparse.sparse_state import LaneBuffers, SparseState
+from sglang_kvsparse.sparse_group import LaneBuffers
+from sglang_kvsparse.sparse_state import SparseState
 
 
 def sparse_extend(

@@ -226,6 +226,18 @@ MAX_DIFFERENCES = 20
 _LISTS = {"groups", "layers"}
 
 
+def describe_tables(state: SparseState) -> str:
+    """The row tables' size, for the start-up log: a request's row is as wide as the largest
+    budget a request may ask for (`max_request_budget`), in every group."""
+    host = sum(g.table.table.nbytes + g.score_table.nbytes for g in state.groups)
+    device = sum(g.device_table.nbytes + g.device_scores.nbytes for g in state.groups)
+    widths = ", ".join(str(g.table.max_entries) for g in state.groups) or "none"
+    return (
+        f"row tables: {state.running.numel()} request rows x {widths} entries: "
+        f"{host / 2**20:.1f} MiB on the host, {device / 2**20:.1f} MiB on the device"
+    )
+
+
 def _add(total: Any, part: Any, path: tuple[str, ...]) -> None:
     """Add `part`'s value at `path` into `total` (same structure), through lists element-wise."""
     head, rest = path[0], path[1:]

@@ -15,10 +15,12 @@ from collections.abc import Callable
 import torch
 
 from sglang_kvsparse.config import SparsityConfig
-from sglang_kvsparse.planning import ForwardPlan, plan_decode, plan_extend
+from sglang_kvsparse.planning import plan_decode, plan_extend
+from sglang_kvsparse.plans import ForwardPlan
 from sglang_kvsparse.policies import ScoringPolicy, SnapKVPolicy
 from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
-from sglang_kvsparse.sparse_state import LaneBuffers, SparseState
+from sglang_kvsparse.sparse_group import LaneBuffers
+from sglang_kvsparse.sparse_state import SparseState
 
 H_KV, D = 2, 8
 

@@ -7,7 +7,7 @@ reclaimable rows, less what the running requests may still take.
 
 import torch
 
-from sglang_kvsparse.admission import AdmissionRound, running_growth
+from sglang_kvsparse.admission import AdmissionRound, rows_to_hold, running_growth
 
 from .heap import grow, make_state
 
@@ -24,13 +24,13 @@ def state_on_heap(rows: int, prefix_cache: bool = False):
 
 def test_requests_are_charged_their_largest_footprint_capped_at_max_entries():
     state, _ = state_on_heap(rows=240)
-    assert state.rows_to_hold(3) == 3 * 4  # 3 columns, 2 pages of 2
+    assert rows_to_hold(state, 3) == 3 * 4  # 3 columns, 2 pages of 2
     # Budget + eviction page, whatever the length, and the score rows of a request that evicts.
-    assert state.rows_to_hold(100) == 3 * (12 + SCORE_ROWS)
-    assert state.rows_to_hold(12) == 3 * 12  # never evicts: no scores
+    assert rows_to_hold(state, 100) == 3 * (12 + SCORE_ROWS)
+    assert rows_to_hold(state, 12) == 3 * 12  # never evicts: no scores
     # Below the budget every sparse layer keeps every token: full + sparse = stock's rows.
     full_rows = 4
-    assert full_rows + state.rows_to_hold(4) == state.layout.dense_rows(4)
+    assert full_rows + rows_to_hold(state, 4) == state.layout.dense_rows(4)
 
 
 def test_running_requests_are_charged_what_they_may_still_grow_by_scaled_as_sglang_scales():
@@ -56,7 +56,7 @@ def test_admitted_requests_decode_to_their_end_without_exhausting_the_heap():
         stock = sum(finals[r] - lengths[r] for r in admitted)  # SGLang's own reserve (ratio 1)
         remaining = heap.free_rows() + state.reclaimable_rows() - stock - running_growth(state, running)
         prompt = final // 2
-        charge = prompt + (final - prompt) + PAGE + state.rows_to_hold(final)
+        charge = prompt + (final - prompt) + PAGE + rows_to_hold(state, final)
         if charge < remaining:
             state.expect([row], [final])
             admitted[row] = heap.sglang_alloc(-(-prompt // PAGE) * PAGE)
@@ -73,7 +73,7 @@ def test_admitted_requests_decode_to_their_end_without_exhausting_the_heap():
         for row in rows:
             state.groups[0].evictions.pop(row, None)  # the forward moved the survivors
             lengths[row] += 1
-            assert state.rows_held(row) <= state.rows_to_hold(finals[row])
+            assert state.rows_held(row) <= rows_to_hold(state, finals[row])
 
 
 def test_a_pinned_prefix_stops_counting_as_free():

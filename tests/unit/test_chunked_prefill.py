@@ -5,9 +5,10 @@ store (held, never reclaimed) and every row comes back."""
 import pytest
 import torch
 
-from sglang_kvsparse.admission import window_safe_cut
+from sglang_kvsparse.admission import prefill_charge, prefill_peak_rows, rows_to_hold, window_safe_cut
 from sglang_kvsparse.guide import PrefillGuide
-from sglang_kvsparse.planning import MixedPlan, plan_decode, plan_extend
+from sglang_kvsparse.planning import plan_decode, plan_extend
+from sglang_kvsparse.plans import MixedPlan
 from sglang_kvsparse.sparse_attention import sparse_extend, sparse_mixed
 
 from .heap import H_KV, D, grow, make_state
@@ -152,12 +153,12 @@ def test_a_chunked_request_freed_midway_gives_its_held_blocks_back():
 
 def test_the_charge_of_a_chunk_is_its_store_rows_and_of_the_last_the_requests_entries():
     state, _ = make_state(budget=8, window=2, prefix_cache=True, page=2, rows=256)
-    assert state.prefill_charge(0, 16, 40, 60) == 16 * 3  # 3 sparse columns, whole blocks
-    assert state.prefill_charge(16, 21, 40, 60) == 6 * 3
-    assert state.prefill_charge(32, 40, 40, 60) == state.rows_to_hold(60)
+    assert prefill_charge(state, 0, 16, 40, 60) == 16 * 3  # 3 sparse columns, whole blocks
+    assert prefill_charge(state, 16, 21, 40, 60) == 6 * 3
+    assert prefill_charge(state, 32, 40, 40, 60) == rows_to_hold(state, 60)
     # Queue admission's bound on a prompt: the earlier chunks sit in the store beside its rows.
-    assert state.prefill_peak_rows(40, None) == state.prefill_peak_rows(40, 64) == state.layout.rows_held(40)
-    assert state.prefill_peak_rows(40, 16) == state.layout.rows_held(40) + 40 * 3
+    assert prefill_peak_rows(state, 40, None) == prefill_peak_rows(state, 40, 64) == state.layout.rows_held(40)
+    assert prefill_peak_rows(state, 40, 16) == state.layout.rows_held(40) + 40 * 3
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 
+from sglang_kvsparse.admission import prefill_charge, prefill_peak_rows, rows_to_hold, waits_for_guide
 from sglang_kvsparse.config import SparsityConfig, SparsityConfigError, parse_config
 from sglang_kvsparse.guide import PrefillGuide
 from sglang_kvsparse.planning import plan_extend
@@ -224,14 +225,14 @@ def test_admission_charges_the_rows_a_guided_prefill_waits_in():
         prefix_cache=True,
     )
     columns = state.layout.num_columns
-    assert state.waits_for_guide(23) and not state.waits_for_guide(17) and not state.waits_for_guide(6)
-    assert state.prefill_charge(0, 23, 23, 40) == state.rows_to_hold(40) + 23 * columns
-    assert state.prefill_charge(0, 17, 17, 40) == state.rows_to_hold(40)
-    assert not state.waits_for_guide(23, budget=12)  # a request's own budget: 12 >= 0.45 x 23
-    assert state.prefill_charge(0, 23, 23, 40, budget=12) == state.rows_to_hold(40, 12)
+    assert waits_for_guide(state, 23) and not waits_for_guide(state, 17) and not waits_for_guide(state, 6)
+    assert prefill_charge(state, 0, 23, 23, 40) == rows_to_hold(state, 40) + 23 * columns
+    assert prefill_charge(state, 0, 17, 17, 40) == rows_to_hold(state, 40)
+    assert not waits_for_guide(state, 23, budget=12)  # a request's own budget: 12 >= 0.45 x 23
+    assert prefill_charge(state, 0, 23, 23, 40, budget=12) == rows_to_hold(state, 40, 12)
     # Chunks of 8: the earlier chunks go to the prefix store; the last forward's 7 tokens wait.
-    assert state.prefill_charge(0, 8, 23, 40) == 8 * state.store.rows_per_block
-    assert state.prefill_charge(16, 23, 23, 40) == state.rows_to_hold(40) + 7 * columns
+    assert prefill_charge(state, 0, 8, 23, 40) == 8 * state.store.rows_per_block
+    assert prefill_charge(state, 16, 23, 23, 40) == rows_to_hold(state, 40) + 7 * columns
     # Earlier chunks in the store and the last chunk's waiting tokens: a row per column and token.
-    assert state.prefill_peak_rows(23, 8) == state.layout.rows_held(23) + 23 * state.store.rows_per_block
-    assert state.prefill_peak_rows(23, None) == state.layout.rows_held(23) + 23 * columns
+    assert prefill_peak_rows(state, 23, 8) == state.layout.rows_held(23) + 23 * state.store.rows_per_block
+    assert prefill_peak_rows(state, 23, None) == state.layout.rows_held(23) + 23 * columns

@@ -107,3 +107,15 @@ def test_the_wheel_ships_the_product_without_the_test_bed():
     for folder in ("sglang_kvsparse", "kernels", "patches"):
         for source in (root / folder).rglob("*.py"):
             assert "kvsparse_testbed" not in source.read_text(), source
+
+
+#: The most lines a module of the product's core (`sglang_kvsparse/`, `patches/`) may have: past
+#: it, a module has more than one job. The Triton kernel files (a kernel, its launcher and its
+#: reference together) are not held to it.
+MODULE_LINES = 400
+
+
+def test_every_core_module_stays_small() -> None:
+    core = {name: path for name, path in project_modules().items() if not name.startswith("sglang_kvsparse.kernels")}
+    long = {name: n for name, path in core.items() if (n := len(path.read_text().splitlines())) > MODULE_LINES}
+    assert not long, f"modules over {MODULE_LINES} lines (split them by job): {long}"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from sglang_kvsparse.admission import row_rows_to_hold
 from sglang_kvsparse.config import SparsityConfig, SparsityConfigError, parse_config
 from sglang_kvsparse.decode_graph import DecodeBuffers
 from sglang_kvsparse.planning import plan_decode, plan_extend
@@ -162,7 +163,7 @@ def test_requests_with_different_settings_in_one_batch_each_keep_their_own():
     rows, prompt = [1, 2, 3], 20
     state.expect(rows, [40, 40, 30], [prompt] * 3, settings)
     # Charged before any row is taken: entries up to budget + evict_page, and scores (8 a row) if it evicts.
-    charges = [state.row_rows_to_hold(row, final) for row, final in zip(rows, [40, 40, 30])]
+    charges = [row_rows_to_hold(state, row, final) for row, final in zip(rows, [40, 40, 30])]
     assert charges == [3 * (24 + 3), 3 * (28 + 4), 3 * 30]
     grow(state, rows, [prompt] * 3)
     assert group.table.lengths[rows].tolist() == [8, 12, 20]

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import torch
 
+from sglang_kvsparse.admission import prefill_charge, waits_for_guide
 from sglang_kvsparse.config import PRESETS
 from sglang_kvsparse.planning import plan_decode, plan_extend
-from sglang_kvsparse.sparse_state import LaneBuffers, SparseState
+from sglang_kvsparse.sparse_group import LaneBuffers
+from sglang_kvsparse.sparse_state import SparseState
 
 from .heap import FreeList, grow
 
@@ -43,11 +45,11 @@ def walkthrough() -> list[tuple[str, ...]]:
 
     note("start")
     final = PROMPT + 64
-    charge = state.prefill_charge(0, PROMPT, PROMPT, final)
+    charge = prefill_charge(state, 0, PROMPT, PROMPT, final)
     ids_a = heap.sglang_alloc(PROMPT)
     state.expect([1], [final], [PROMPT])
     grow(state, [1], [PROMPT])
-    note(f"A admitted (charge {charge}: guided {state.waits_for_guide(PROMPT)}), its ids and entries")
+    note(f"A admitted (charge {charge}: guided {waits_for_guide(state, PROMPT)}), its ids and entries")
     plan_extend(state, [1], [0], [PROMPT], [torch.empty(0, dtype=torch.int64)], ids_a)
     note("A's prefill planned: its tokens stored, and waiting for the guide")
     state.finish_forward()
@@ -70,7 +72,7 @@ def walkthrough() -> list[tuple[str, ...]]:
     prefix = ids_a[:SHARED]
     reuse = state.reusable_prefix_len(prefix, SHARED + NEW_TOKENS)
     state.pin_prefix(prefix[:reuse])
-    charge = state.prefill_charge(reuse, SHARED + NEW_TOKENS, SHARED + NEW_TOKENS, SHARED + NEW_TOKENS + 64)
+    charge = prefill_charge(state, reuse, SHARED + NEW_TOKENS, SHARED + NEW_TOKENS, SHARED + NEW_TOKENS + 64)
     new_ids = heap.sglang_alloc(SHARED + NEW_TOKENS - reuse)
     state.expect([2], [SHARED + NEW_TOKENS + 64], [SHARED + NEW_TOKENS])
     grow(state, [2], [SHARED + NEW_TOKENS])

@@ -1,0 +1,115 @@
+"""How a request's heap rows grow when SGLang allocates a step (`SparseState.alloc_to_lengths`):
+a prefill gets min(length, budget) entries per sparse column, and score rows where it will evict;
+a decode step appends one entry, first cutting a row that holds its `max_entries` back to its
+budget (the evicted rows go back after the forward, `SparseState.defer`). All-or-nothing: every
+group is checked and the heap rows taken before anything changes. No SGLang imports."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from sglang_kvsparse.row_table import HeapError
+from sglang_kvsparse.sparse_group import SparseGroup
+
+if TYPE_CHECKING:
+    from sglang_kvsparse.sparse_state import SparseState
+
+
+def grow_to_lengths(state: SparseState, rows: torch.Tensor, targets: torch.Tensor) -> None:
+    """Grow each request row (host [n]) to its target length."""
+    prefilling = ~state.running[rows] | state.partial[rows]
+    stepping = rows[~prefilling]
+    if bool((targets[~prefilling] != state.logical[stepping] + 1).any()):
+        raise HeapError("a running row grows by more than one token: only one decode token per step is supported")
+    chunk = prefilling & (targets < state.fill_len[rows])  # a chunk before the prompt's last
+    new = prefilling & ~chunk
+    plans = [_growth(state, group, rows[new], targets[new], stepping) for group in state.groups]
+    total = sum(pages for pages, _ in plans) * state.page_size
+    refills = state.heap.refills
+    taken = state.take(total) if total else torch.empty(0, dtype=torch.int64)
+    if not bool(prefilling.any()):
+        state.counters.decode_refills += state.heap.refills - refills
+    offset = 0
+    for group, (pages, evicting) in zip(state.groups, plans):
+        mine = taken[offset : offset + pages * state.page_size]
+        offset += mine.numel()
+        _grow(state, group, rows[new], targets[new], stepping, evicting, mine)
+    state.logical[rows] = targets
+    state.running[rows] = True
+    state.partial[rows[prefilling]] = chunk[prefilling]
+    state.counters.requests_running_peak = max(state.counters.requests_running_peak, state.requests_running())
+    if bool(prefilling.any()):  # a prefill's allocation, where the host may wait: never a decode step's
+        state.heap.reserve(state.decode_reserve())
+
+
+def _score_rows(state: SparseState, group: SparseGroup, rows: torch.Tensor) -> list[int]:
+    """Score rows per column each request row holds in the group if it evicts."""
+    return [state.layout.score_rows(n) for n in state.max_entries(group, rows).tolist()]
+
+
+def _scored(state: SparseState, group: SparseGroup, rows: torch.Tensor) -> torch.Tensor:
+    """Which of these new rows will evict in the group (one of unknown final length may grow
+    to the context length)."""
+    final = state.final_len[rows]
+    final = torch.where(final == 0, state.resolved.context_len, final)
+    return final > state.max_entries(group, rows)
+
+
+def _growth(
+    state: SparseState, group: SparseGroup, new_rows: torch.Tensor, new_lens: torch.Tensor, stepping: torch.Tensor
+) -> tuple[int, torch.Tensor]:
+    """(pages the group needs for this allocation, the stepping rows that evict first)."""
+    table = group.table
+    if bool(table.active[new_rows].any()):
+        raise HeapError("a new request row still holds sparse entries")
+    kept_new = torch.minimum(new_lens, state.budgets(group, new_rows))
+    pages = sum(table.pages_for(int(n)) for n in kept_new)
+    scored = _scored(state, group, new_rows)
+    score_rows = sum(n for n, with_scores in zip(_score_rows(state, group, new_rows), scored.tolist()) if with_scores)
+    pages += score_rows * group.columns // state.page_size
+    if stepping.numel() and not bool(table.active[stepping].all()):
+        raise HeapError("a decoding row holds no sparse entries")
+    held = table.lengths[stepping]
+    full = held == state.max_entries(group, stepping)
+    evicting = stepping[full]
+    if any(int(row) in group.evictions for row in evicting):
+        raise HeapError("a row evicts again before its previous eviction ran in a forward")
+    kept = torch.where(full, state.budgets(group, stepping), held)
+    pages += int((kept % state.page_size == 0).sum()) * group.columns
+    return pages, evicting
+
+
+def _grow(
+    state: SparseState,
+    group: SparseGroup,
+    new_rows: torch.Tensor,
+    new_lens: torch.Tensor,
+    stepping: torch.Tensor,
+    evicting: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
+    table = group.table
+    offset = 0
+    budgets = state.budgets(group, new_rows).tolist()
+    scored = _scored(state, group, new_rows).tolist()
+    score_rows = _score_rows(state, group, new_rows)
+    news = zip(new_rows.tolist(), new_lens.tolist(), budgets, scored, score_rows)
+    for row, n, budget, with_scores, width in news:
+        kept = min(n, budget)
+        take = table.pages_for(kept) * state.page_size
+        table.assign(row, kept, rows[offset : offset + take])
+        offset += take
+        if with_scores:
+            take = group.columns * width
+            group.score_table[row, :, :width] = rows[offset : offset + take].view(group.columns, width)
+            offset += take
+    group.mirror_rows(new_rows)
+    for row, budget in zip(evicting.tolist(), state.budgets(group, evicting).tolist()):
+        group.evictions[row] = table.entries(row)
+        state.defer(table.shrink(row, budget))
+    growing = table.rows_needing_page(stepping)
+    starts = table.lengths[growing]
+    table.append(stepping, rows[offset:])
+    group.mirror_pages(growing, starts)
