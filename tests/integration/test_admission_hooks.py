@@ -17,10 +17,9 @@ pytestmark = pytest.mark.integration
 def admission(monkeypatch):
     from sglang_kvsparse.patches import admission, context
 
-    state = SimpleNamespace(
-        resolved=SimpleNamespace(context_len=8192), prefill_charge=lambda *a: 0, prefill_guide_rows=lambda *a: 0
-    )
-    monkeypatch.setattr(context, "_state", state)
+    monkeypatch.setattr(context, "_state", SimpleNamespace(resolved=SimpleNamespace(context_len=8192)))
+    monkeypatch.setattr(admission, "prefill_charge", lambda *a: 0)
+    monkeypatch.setattr(admission, "prefill_guide_rows", lambda *a: 0)
     return admission
 
 
@@ -110,10 +109,10 @@ def test_a_request_refused_while_guided_prefills_hold_rows_is_tried_next_round(m
         store=None,
         counters=SimpleNamespace(guide_waits=0, setting_waits=0),
         own_settings_running=set,
-        prefill_charge=lambda *a: 0,
-        prefill_guide_rows=lambda *a: transient_rows,
     )
     monkeypatch.setattr(context, "_state", state)
+    monkeypatch.setattr(admission, "prefill_charge", lambda *a: 0)
+    monkeypatch.setattr(admission, "prefill_guide_rows", lambda *a: transient_rows)
     adder = SimpleNamespace(
         _kvsparse_admission=AdmissionRound(),
         token_to_kv_pool_allocator=SimpleNamespace(kvsparse_charge=None),
