@@ -5,7 +5,7 @@ On a GPU (one run):
     ``extend_attention_fwd``) at the benchmark sizes;
   * times, with CUDA events (median of --reps after warm-up): prefill with vs without statistics
     (target: < 3 % overhead) next to SGLang's extend kernel and FlashInfer where importable; window
-    scoring at 5,000 tokens as the default preset scores (window 16 and `span`'s 16 reach queries)
+    scoring at 5,000 tokens as the default preset scores (its window of 16 queries)
     relative to that prefill (target: < 5 %); decode with
     score accumulation vs SGLang's decode kernel (and FlashInfer) at the same kept length;
     a decode eviction (selection and move) of every request at once.
@@ -61,7 +61,6 @@ from sglang_kvsparse.kernels.testing import (  # noqa: E402
 )
 
 DEFAULT = PRESETS["default"]
-REACH_WEIGHT = DEFAULT.policy.reach_weight
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,6 @@ class Sizes:
     prefill: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
     decode: tuple[tuple[str, int, int], ...]  # (name, batch, kept length)
     window: int
-    reach: int  # queries before the window scored at `REACH_WEIGHT` (the default policy's `reach`)
     num_kv_splits: int
 
 
@@ -92,7 +90,6 @@ GPU_SIZES = Sizes(
     ),
     decode=(("64 x 1536 kept", 64, 1536), ("64 x 4096", 64, 4096), ("8 x 16384", 8, 16384)),
     window=DEFAULT.window,
-    reach=DEFAULT.policy.reach,
     num_kv_splits=8,
 )
 SMALL_SIZES = Sizes(
@@ -103,7 +100,6 @@ SMALL_SIZES = Sizes(
     prefill=(("2 requests", (100, 37), (100, 90)),),
     decode=(("3 x ~64", 3, 64),),
     window=16,
-    reach=8,
     num_kv_splits=2,
 )
 # Bounds on normwise relative error vs the torch reference (bf16/fp16 P@V rounding dominates).
@@ -302,10 +298,9 @@ def bench_prefill(sizes: Sizes, device: str, reps: int, sglang_extend, report: d
             sizes.window,
             batch.sm_scale,
         )
-        reach = {"reach": sizes.reach, "reach_weight": REACH_WEIGHT}
         max_kv = max(kv_lens)
-        scores = window_scores(*win_args, **reach, max_kv_len=max_kv, backend="triton")
-        scores_ref = window_scores(*win_args, **reach, backend="torch")
+        scores = window_scores(*win_args, max_kv_len=max_kv, backend="triton")
+        scores_ref = window_scores(*win_args, backend="torch")
         check(report, f"window scores {name}: vs torch", rel_error(scores, scores_ref), STAT_REL)
 
         row = {"case": name, "q_tokens": sum(q_lens), "kv_tokens": sum(kv_lens)}
@@ -313,7 +308,7 @@ def bench_prefill(sizes: Sizes, device: str, reps: int, sglang_extend, report: d
         row["ours_with_stats_ms"] = timer(ours_extend(batch, True), reps, cuda)
         row["stats_overhead_pct"] = 100 * (row["ours_with_stats_ms"] / row["ours_no_stats_ms"] - 1)
         row["window_scores_ms"] = timer(
-            lambda: window_scores(*win_args, **reach, max_kv_len=max_kv, out=scores, backend="triton"), reps, cuda
+            lambda: window_scores(*win_args, max_kv_len=max_kv, out=scores, backend="triton"), reps, cuda
         )
         row["scores_vs_prefill_pct"] = 100 * row["window_scores_ms"] / row["ours_with_stats_ms"]
         if sglang_extend is not None:
@@ -467,7 +462,6 @@ def main(argv: list[str] | None = None) -> int:
         "head_dim": sizes.head_dim,
         "dtype": str(sizes.dtype),
         "window": sizes.window,
-        "reach": sizes.reach,
     }
     bench_prefill(sizes, device, reps, sglang_extend, report)
     bench_decode(sizes, device, reps, sglang_decode, report)

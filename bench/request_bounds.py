@@ -47,7 +47,7 @@ importable()
 
 from kvsparse_testbed.texts import essay_text  # noqa: E402
 from sglang_kvsparse.config import PRESETS  # noqa: E402
-from sglang_kvsparse.policies.snapkv import LONGEST_REACH, WIDEST_POOL  # noqa: E402
+from sglang_kvsparse.policies.snapkv import WIDEST_POOL  # noqa: E402
 from sglang_kvsparse.policies.span import LONGEST_FOLLOW, LONGEST_SENTENCE, MOST_PLACES  # noqa: E402
 
 #: Characters per token of the essays in SmolLM2's tokenizer, roughly: prompt sizes are given in tokens.
@@ -57,16 +57,13 @@ CHARS_PER_TOKEN = 4.4
 def expensive_settings(preset: str) -> list[dict[str, Any]]:
     """The most expensive own settings a request may give on a server of `preset`, distinct, as
     many as it runs at once: the smallest budget, each allowed policy with its knobs at their
-    upper bounds (its `reach` at most the server's, as `request_sparsity` requires)."""
+    upper bounds."""
     config = PRESETS[preset]
-    reach = min(config.policy.queries_before_window(), LONGEST_REACH)
     knobs = {
-        "snapkv": {"pool_kind": "avg", "pool_kernel": WIDEST_POOL, "reach": reach, "reach_weight": 1.0},
+        "snapkv": {"pool_kind": "avg", "pool_kernel": WIDEST_POOL},
         "span": {
             "pool_kind": "avg",
             "pool_kernel": WIDEST_POOL,
-            "reach": reach,
-            "reach_weight": 1.0,
             "follow": LONGEST_FOLLOW,
             "long_follow": LONGEST_FOLLOW,
             "long_places": MOST_PLACES,

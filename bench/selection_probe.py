@@ -18,7 +18,7 @@ its verdicts matched the server's prompt for prompt (`selection-probe-2026-12-03
 Writes ``<out-dir>/selection-probe[-<tag>]-<date>.json`` and ``.md``.
 
 Usage: .venv/bin/python bench/selection_probe.py [--budgets 128,256] [--guide-from 0.33]
-       [--follow 8] [--long-follow 40] [--long-places 1] [--reach 16] [--sentence 0.5] [--seeds 0,1,2]
+       [--follow 8] [--long-follow 40] [--long-places 1] [--sentence 0.5] [--seeds 0,1,2]
        [--lengths 2000,3000]
        [--prompts ruler-multikey-2000-1,...] [--tag TAG]
 """
@@ -60,13 +60,12 @@ TASKS, LENGTHS, PER_LENGTH = ["multikey", "uuid"], [2000, 3000], 8
 
 class AttentionProbe:
     """Replaces transformers' SDPA attention: at prefill it records each layer's window mass
-    ([L, H_kv] float64: the last `window` queries' attention, plus `reach_weight` times that of
-    the `reach` queries before them on the keys before all of these queries, summed over each KV
-    head's query heads); while generating,
+    ([L, H_kv] float64: the last `window` queries' attention, summed over each KV head's query
+    heads); while generating,
     it hides the prompt keys a layer did not keep."""
 
-    def __init__(self, window: int, reach: int, reach_weight: float) -> None:
-        self.window, self.reach, self.reach_weight = window, reach, reach_weight
+    def __init__(self, window: int) -> None:
+        self.window = window
         self.mass: dict[int, torch.Tensor] = {}
         self.kept: dict[int, torch.Tensor] = {}  # layer -> [H_kv, prompt_len] bool
         self.recording = True
@@ -84,14 +83,11 @@ class AttentionProbe:
         layer, groups = module.layer_idx, module.num_key_value_groups
         keys = key[0].repeat_interleave(groups, dim=0)  # [H_q, S, D]
         if self.recording:
-            n, w = keys.shape[1], self.window + self.reach
+            n, w = keys.shape[1], self.window
             logits = torch.einsum("hwd,hsd->hws", query[0, :, -w:].double(), keys.double()) * kwargs["scaling"]
             future = torch.arange(n)[None, :] > torch.arange(n - w, n)[:, None]
             probs = logits.masked_fill(future, float("-inf")).softmax(-1)
-            mass = probs[:, -self.window :].sum(1)
-            before = probs[:, : self.reach].sum(1)
-            before[:, n - w :] = 0  # the reach queries' attention to their own words is not counted
-            mass = mass + self.reach_weight * before
+            mass = probs.sum(1)
             self.mass[layer] = mass.unflatten(0, (-1, groups)).sum(1).T  # [S, H_kv]
             return self._sdpa(module, query, key, value, mask, **kwargs)
         kept = self.kept.get(layer)
@@ -225,7 +221,6 @@ def markdown(report: dict[str, Any]) -> str:
         f"- Machine: {report['machine']}; Hugging Face transformers, fp32, no server",
         f"- Policy `span` (follow {report['settings']['follow']}, long_follow {report['settings']['long_follow']} "
         f"at {report['settings']['long_places']} place(s), pool {DEFAULT.policy.pool_kernel}, "
-        f"reach {report['settings']['reach']} at {report['settings']['reach_weight']}, "
         f"sentence {report['settings']['sentence']} from budget {report['settings']['sentence_from']}), "
         f"window {DEFAULT.window}, sink {DEFAULT.sink}, full layers {list(DEFAULT.full_layers)}; guided: "
         f"layers {report['settings']['guide_layers']}",
@@ -260,7 +255,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--follow", type=int, default=DEFAULT.policy.follow)
     parser.add_argument("--long-follow", type=int, default=DEFAULT.policy.long_follow)
     parser.add_argument("--long-places", type=int, default=DEFAULT.policy.long_places)
-    parser.add_argument("--reach", type=int, default=DEFAULT.policy.reach)
     parser.add_argument("--sentence", type=float, default=DEFAULT.policy.sentence)
     parser.add_argument("--seeds", default="0", help="comma-separated RULER seeds (the suite's --ruler-seeds)")
     parser.add_argument(
@@ -301,8 +295,6 @@ def main(argv: list[str] | None = None) -> int:
             "follow": args.follow,
             "long_follow": args.long_follow,
             "long_places": args.long_places,
-            "reach": args.reach,
-            "reach_weight": DEFAULT.policy.reach_weight,
             "sentence": args.sentence,
             "sentence_from": DEFAULT.policy.sentence_from,
             "guide_layers": list(guided),
@@ -314,11 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         follow=args.follow,
         long_follow=args.long_follow,
         long_places=args.long_places,
-        reach=args.reach,
         sentence=args.sentence,
     )
     ends_sentence = sentence_end_tokens(tokenizer.batch_decode, len(tokenizer))
-    probe = AttentionProbe(DEFAULT.window, args.reach, DEFAULT.policy.reach_weight)
+    probe = AttentionProbe(DEFAULT.window)
     with probe.installed():
         for prompt in prompts:
             report["prompts"][prompt.prompt_id] = probe_prompt(

@@ -2,10 +2,8 @@
 
 For request b the window is its last ``min(window, q_len_b)`` new query tokens. The score of key j
 for KV head h is the sum, over window queries that can see j and over the G query heads of h, of the
-softmax probability ``exp(q.k * sm_scale - lse)``. With ``reach`` the ``reach`` queries before the
-window (those that are new) add ``reach_weight`` times their probabilities on the keys before all
-``window + reach`` of the request's last keys (their own words draw local attention, not the
-question's pull), in the same pass. Because the LSE is already known, one pass suffices. Keys are
+softmax probability ``exp(q.k * sm_scale - lse)``. Because the LSE is already known, one pass
+suffices. Keys are
 the outer loop (one program per request, key block and KV head) so each key's sum over queries is
 a register-resident row sum that is stored once, with no atomics; only observed queries are read,
 and query blocks that sit causally before the key block are skipped.
@@ -62,8 +60,6 @@ def _window_scores_kernel(
     kv_indptr,
     kv_indices,
     window,
-    reach,
-    reach_weight,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -93,10 +89,8 @@ def _window_scores_kernel(
         return
     q_end = tl.load(qo_indptr + req + 1)
     q_len = q_end - tl.load(qo_indptr + req)
-    observed = tl.minimum(window + reach, q_len)  # the reach queries, then the window's
-    reach_rows = observed - tl.minimum(window, q_len)
+    observed = tl.minimum(window, q_len)
     first_pos = kv_len - observed  # causal position of the first observed query
-    own_from = kv_len - window - reach  # keys the reach queries leave out
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < kv_len
@@ -130,23 +124,16 @@ def _window_scores_kernel(
             qt = qt.to(tl.float32)
         lse = tl.load(LSE + row_t * stride_lt + head * stride_lh, mask=row_ok, other=0.0)
         s = tl.dot(k, qt, input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_R], log2 units
-        in_reach = i < reach_rows
         visible = (offs_n[:, None] <= (first_pos + i)[None, :]) & row_ok[None, :]
-        visible = visible & ((offs_n[:, None] < own_from) | ~in_reach[None, :])
-        weight = tl.where(in_reach, reach_weight, 1.0)
-        p = tl.where(visible, tl.exp2(s - lse[None, :] * LOG2E_C) * weight[None, :], 0.0)
+        p = tl.where(visible, tl.exp2(s - lse[None, :] * LOG2E_C), 0.0)
         acc += tl.sum(p, 1)
     tl.store(S + (kv_start + offs_n) * stride_st + kv_head * stride_sh, acc, mask=n_ok)
 
 
-def check_window(window: int, reach: int, reach_weight: float) -> None:
-    """ValueError unless window >= 1, reach >= 0 and reach_weight in [0, 1]."""
+def check_window(window: int) -> None:
+    """ValueError unless window >= 1."""
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    if reach < 0:
-        raise ValueError(f"reach must be >= 0, got {reach}")
-    if not 0 <= reach_weight <= 1:
-        raise ValueError(f"reach_weight must be in [0, 1], got {reach_weight}")
 
 
 def _scores_out(kv_indices: torch.Tensor, num_kv_heads: int, out: torch.Tensor | None) -> torch.Tensor:
@@ -166,14 +153,12 @@ def window_scores_triton(
     window: int,
     sm_scale: float,
     *,
-    reach: int = 0,
-    reach_weight: float = 0.0,
     max_kv_len: int | None = None,
     out: torch.Tensor | None = None,
     config: WindowScoreConfig | None = None,
 ) -> torch.Tensor:
     """Triton implementation; see :func:`window_scores` for the contract."""
-    check_window(window, reach, reach_weight)
+    check_window(window)
     group = check_group(q.shape[1], k_buf.shape[1])
     cfg = config or default_window_score_config()
     if cfg.block_rows < group:
@@ -195,8 +180,6 @@ def window_scores_triton(
         kv_indptr,
         kv_indices,
         window,
-        reach,
-        float(reach_weight),
         sm_scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -233,8 +216,6 @@ def window_scores_torch(
     window: int,
     sm_scale: float,
     *,
-    reach: int = 0,
-    reach_weight: float = 0.0,
     max_kv_len: int | None = None,
     out: torch.Tensor | None = None,
     config: WindowScoreConfig | None = None,
@@ -246,7 +227,7 @@ def window_scores_torch(
     ``max_kv_len`` and ``config`` only steer the Triton launch and are accepted for signature parity.
     """
     del max_kv_len, config
-    check_window(window, reach, reach_weight)
+    check_window(window)
     group = check_group(q.shape[1], k_buf.shape[1])
     scores = _scores_out(kv_indices, k_buf.shape[1], out)
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
@@ -254,8 +235,7 @@ def window_scores_torch(
     kv = kv_indptr.tolist()
     for b in range(len(qo) - 1):
         kv_len, q_len = kv[b + 1] - kv[b], qo[b + 1] - qo[b]
-        observed = min(window + reach, q_len)
-        reach_rows = observed - min(window, q_len)
+        observed = min(window, q_len)
         k = k_buf[kv_indices[kv[b] : kv[b + 1]].long()].to(acc_dtype)  # [L, H_kv, D]
         keys = torch.arange(kv_len, device=q.device)
         total = torch.zeros(k.shape[1], kv_len, dtype=acc_dtype, device=q.device)
@@ -267,8 +247,6 @@ def window_scores_torch(
             probs = torch.exp(torch.einsum("whgd,nhd->whgn", qw, k) * sm_scale - lw[..., None])
             pos = kv_len - observed + first + torch.arange(count, device=q.device)
             weight = (keys[None, :] <= pos[:, None]).to(acc_dtype)  # [W, L] causal
-            in_reach = first + torch.arange(count, device=q.device) < reach_rows
-            weight[in_reach] *= reach_weight * (keys < kv_len - window - reach)
             total += (probs * weight[:, None, None, :]).sum(dim=(0, 2))
         scores[kv[b] : kv[b + 1]] = total.T.to(scores.dtype)
     return scores
@@ -284,8 +262,6 @@ def window_scores(
     window: int,
     sm_scale: float,
     *,
-    reach: int = 0,
-    reach_weight: float = 0.0,
     max_kv_len: int | None = None,
     out: torch.Tensor | None = None,
     config: WindowScoreConfig | None = None,
@@ -298,16 +274,12 @@ def window_scores(
         lse: [num_q_tokens, H_q] float32 natural-log LSE from :func:`extend_attention_with_stats`.
         window: observation window size alpha (>= 1); request b uses its last min(alpha, q_len_b)
             new queries.
-        reach, reach_weight: the new queries just before the window (up to `reach`) add
-            `reach_weight` (in [0, 1]) times their probabilities, on the keys before the request's
-            last `window + reach` keys only.
         max_kv_len: longest key sequence, if the caller knows it (avoids a device sync).
         out: optional [total_kv, H_kv] float32 buffer; config: Triton tiles; backend: as usual.
 
     Returns:
         [total_kv, H_kv] float32, row t aligned with kv_indices[t]: the sum over window queries
-        that can see the key and over the G query heads of its KV head of softmax probabilities
-        (plus the reach queries' weighted share).
+        that can see the key and over the G query heads of its KV head of softmax probabilities.
     """
     impl = window_scores_triton if use_triton(backend, q, k_buf, lse, kv_indices) else window_scores_torch
     return impl(
@@ -319,8 +291,6 @@ def window_scores(
         kv_indices,
         window,
         sm_scale,
-        reach=reach,
-        reach_weight=reach_weight,
         max_kv_len=max_kv_len,
         out=out,
         config=config,

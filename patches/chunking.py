@@ -2,20 +2,19 @@
 prompt holds every query the policies score with.
 
 A prompt's sparse layers select what they keep in its last chunk, scoring every key of the prompt
-with the last `observed` tokens' queries (the window, and `span`'s `reach` before it:
-`SparsityConfig.observed`). Queries of an earlier chunk are gone by then, so SGLang's cut is
-moved so that the last chunk is at least `observed` tokens long: a
+with the last `window` tokens' queries. Queries of an earlier chunk are gone by then, so SGLang's
+cut is moved so that the last chunk is at least `window` tokens long: a
 chunked prompt then selects exactly what the unchunked prompt selects (`SparseState`, "partial"
 rows, keeps the earlier chunks' K/V in the prefix store until then).
 
 * AROUND `PrefillAdder._select_prefill_admission` (a new request's first chunk): a cut leaving
-  fewer than `observed` tokens is moved back (to a page edge); when that would empty the chunk the
+  fewer than `window` tokens is moved back (to a page edge); when that would empty the chunk the
   request waits for the next round (`AddReqResult.OTHER`), when the chunk budget is whole again.
   The chunk is admitted only if its own sparse charge fits (`chunk_fits`).
 * AROUND `PrefillAdder.floor_chunked_tokens` (a chunked request's next chunk, and SGLang's
   ignore-eos path): the same move. Should it empty the chunk (the round's memory allows fewer
-  than `observed` tokens for a chunk that is not the last), the cut stays and the last chunk's
-  queries are what it holds: never seen with chunk sizes above `observed`, and logged.
+  than `window` tokens for a chunk that is not the last), the cut stays and the last chunk's
+  queries are what it holds: never seen with chunk sizes above `window`, and logged.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ def fit_admission(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any
     if isinstance(admission, AddReqResult) or not admission.is_chunked:
         return admission
     remaining = len(req.full_untruncated_fill_ids) - admission.prefix_len
-    cut = window_safe_cut(admission.extend_len, remaining, context.state().config.observed, adder.page_size)
+    cut = window_safe_cut(admission.extend_len, remaining, context.state().config.window, adder.page_size)
     if cut <= 0:
         return AddReqResult.OTHER
     if not chunk_fits(adder, req, cut):
@@ -62,10 +61,10 @@ def chunk_fits(adder: Any, req: Any, chunk: int) -> bool:
 def fit_floor(original: Any, adder: Any, trunc_len: int, remaining: int) -> int:
     """The AROUND hook on `floor_chunked_tokens` (see the module doc)."""
     chunk = original(adder, trunc_len, remaining)
-    cut = window_safe_cut(chunk, remaining, context.state().config.observed, adder.page_size)
+    cut = window_safe_cut(chunk, remaining, context.state().config.window, adder.page_size)
     if cut > 0:
         return cut
     logger.warning(
-        "kvsparse: a %d-token chunk leaves %d tokens, fewer than the observed queries", chunk, remaining - chunk
+        "kvsparse: a %d-token chunk leaves %d tokens, fewer than the observation window", chunk, remaining - chunk
     )
     return chunk

@@ -115,12 +115,6 @@ def parse_request(custom_params: Any, resolved: ResolvedSparsity) -> RequestSpar
                 f"{FIELD}.policy: {policy.name!r} is not one a request may choose on this server (allowed: "
                 f"{choices}; --kvsparse-request-policies)"
             )
-        allowed = config.policy.queries_before_window()
-        if policy.queries_before_window() > allowed:
-            raise ValueError(
-                f"{FIELD}.policy.reach: at most {allowed} on this server (its policy's: the queries before "
-                "the window that prefix hits and chunk cuts leave to the prefill)"
-            )
     if budget is None:
         return RequestSparsity(policy=policy, enabled=enabled)
     if not is_int(budget):

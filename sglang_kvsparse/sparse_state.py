@@ -287,12 +287,12 @@ class SparseState:
 
     def reusable_prefix_len(self, prefix_ids: torch.Tensor, seq_len: int) -> int:
         """How much of a radix match of `prefix_ids` a prefill of `seq_len` tokens can reuse: the
-        leading ids with store entries, leaving the last `observed` tokens (the queries the
+        leading ids with store entries, leaving the last `window` tokens (the queries the
         policies score with) to the prefill, whole pages only. 0 without a store."""
         if self.store is None:
             return 0
         self.released.settle()  # adoptions that have landed
-        usable = max(min(self.store.valid_prefix_len(prefix_ids), seq_len - self.config.observed), 0)
+        usable = max(min(self.store.valid_prefix_len(prefix_ids), seq_len - self.config.window), 0)
         return usable - usable % self.page_size
 
     def pin_prefix(self, prefix_ids: torch.Tensor) -> None:

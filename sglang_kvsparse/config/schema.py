@@ -235,14 +235,6 @@ class SparsityConfig:
         """Entries every sparse layer keeps regardless of score: sink + window."""
         return self.sink + self.window
 
-    @property
-    def observed(self) -> int:
-        """The trailing prompt tokens a selecting prefill must compute itself, not take from a
-        prefix hit or an earlier chunk: their queries are what the policy scores with (the
-        window, and `span`'s `reach` before it). A request's own policy may read no more
-        (`request_sparsity.parse_request`), so a prefix hit scores as the fresh prefill does."""
-        return self.window + self.policy.queries_before_window()
-
     def resolve(self, num_layers: int, context_len: int) -> ResolvedSparsity:
         """Check this config against a model and give each layer its kind and budget.
 

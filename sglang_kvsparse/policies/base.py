@@ -49,11 +49,10 @@ class PrefillScoringInputs:
     sentence_ends: torch.Tensor | None = None  # [total_kv] bool, aligned with kv_indices
     budgets: torch.Tensor | None = None  # [B] each request's budget in this layer (host), None: unknown
 
-    def attention_from_last(self, queries: int, reach: int = 0, reach_weight: float = 0.0) -> torch.Tensor:
+    def attention_from_last(self, queries: int) -> torch.Tensor:
         """[total_kv, H_kv] float32: each key's attention from its request's last `queries` new
-        queries (all of them when fewer), summed over them and over its KV head's query heads;
-        plus `reach_weight` times that of the (up to) `reach` new queries before them, on the
-        keys before all of these queries (`window_scores`, one pass)."""
+        queries (all of them when fewer), summed over them and over its KV head's query heads
+        (`window_scores`, one pass)."""
         return window_scores(
             self.q,
             self.k_buf,
@@ -63,8 +62,6 @@ class PrefillScoringInputs:
             self.kv_indices,
             queries,
             self.sm_scale,
-            reach=reach,
-            reach_weight=reach_weight,
         )
 
 
@@ -93,12 +90,6 @@ class ScoringPolicy(ABC):
         entries each (a request's entries in one layer, in position order; an eviction's rows are
         all full). Default: the scores as stored."""
         return scores
-
-    def queries_before_window(self) -> int:
-        """How many prompt queries before the observation window its prefill score reads (0 for
-        most; SnapKV's `reach`). Prefix hits and chunk cuts leave them to the prefill
-        (`SparsityConfig.observed`)."""
-        return 0
 
     def options(self) -> dict[str, Any]:
         """The policy's knobs and their values (its dataclass fields)."""

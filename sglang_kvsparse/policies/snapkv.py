@@ -14,12 +14,10 @@ from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
 POOL_KINDS: tuple[str, ...] = ("max", "avg")
 
 #: The upper bounds of the knobs, for the server's configuration and a request's own policy
-#: alike: the pooling and spreading widths cost a few operations per doubling of their width,
-#: the queries before the window cost attention work per query, and every knob is a tensor
-#: index or comparison somewhere, where an unbounded integer overflows. Far above any value
-#: measured to help.
+#: alike: the pooling and spreading widths cost a few operations per doubling of their width, and
+#: every knob is a tensor index or comparison somewhere, where an unbounded integer overflows. Far
+#: above any value measured to help.
 WIDEST_POOL = 127
-LONGEST_REACH = 256
 
 
 def require_count(knob: str, value: object, minimum: int = 0, maximum: int = 1 << 20) -> None:
@@ -37,26 +35,17 @@ def require_share(knob: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class SnapKVPolicy(ScoringPolicy):
-    """Sum of the last ``window`` queries' attention probabilities, plus ``reach_weight`` times that
-    of the ``reach`` queries before them on the keys before all of these queries, max- or
-    average-pooled over ``pool_kernel`` keys (odd; 1 = no pooling).
+    """Sum of the last ``window`` queries' attention probabilities, max- or average-pooled over
+    ``pool_kernel`` keys (odd; 1 = no pooling).
 
     Pooling matters on retrieval: the question's attention lands on the first token of an answer
     span, and pooling keeps its neighbours, which the model needs to copy the rest of the span
     (`docs/experiments/2026-12-04-default-knobs.md` says why 15). While decoding, each step's
     attention is added to the kept keys' scores (H2O-style), in the same units as the window's.
-
-    `reach` is for questions longer than the window: "What is the secret ingredient in the soup?
-    Answer with one word from the text above." asks in words that lie before the last 16 tokens,
-    so a window of 16 never looks for the needle. A window of 32 does, but its extra queries are
-    often text before the question, whose local attention crowds the selection; at a quarter
-    weight the earlier queries add the question's pull and little of that noise.
     """
 
     pool_kind: Literal["max", "avg"] = "max"
     pool_kernel: int = 15
-    reach: int = 0
-    reach_weight: float = 0.25
     name = "snapkv"
 
     def __post_init__(self) -> None:
@@ -65,16 +54,7 @@ class SnapKVPolicy(ScoringPolicy):
         require_count("pool_kernel", self.pool_kernel, 1, WIDEST_POOL)
         if self.pool_kernel % 2 == 0:
             raise ValueError(f"pool_kernel: must be odd, got {self.pool_kernel}")
-        require_count("reach", self.reach, 0, LONGEST_REACH)
-        require_share("reach_weight", self.reach_weight)
-
-    def queries_before_window(self) -> int:
-        return self.reach if self.reach_weight else 0
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
-        # The reach queries read their own words most (local attention); only what they read
-        # before them says where the question points (at tight budgets their own words otherwise
-        # take the entries: budget 64, 4 RULER answers of 14 against 2), so `window_scores`
-        # counts their attention on the keys before them only.
-        raw = inputs.attention_from_last(inputs.window, self.queries_before_window(), self.reach_weight)
+        raw = inputs.attention_from_last(inputs.window)
         return pool_scores(raw, inputs.kv_indptr, self.pool_kernel, self.pool_kind)

@@ -26,7 +26,7 @@ class SpanPolicy(SnapKVPolicy):
     UUID), and the tokens after it come along, where SnapKV's centred pooling keeps only
     `pool_kernel // 2` of them. The `long_places` best places of a request's text (per KV head:
     keys scoring highest within `long_follow` keys either side, past the sink and at least
-    `long_follow` keys before the observed queries, whose own text draws local attention) bring
+    `long_follow` keys before the observation window, whose own text draws local attention) bring
     `long_follow` keys along instead. Decode adds attention as SnapKV does; an eviction ranks a
     row's entries spread by `follow` (over the row's entries, which are in position order; a long
     place's followers already carry its score from the prefill). Last, where the server knows the
@@ -37,7 +37,7 @@ class SpanPolicy(SnapKVPolicy):
     Defaults: `follow` 8 covers a 7-digit answer after the word the question lands on and leaves
     room for more candidates at tight budgets; one place with `long_follow` 40 covers a UUID (in
     SmolLM2's tokenizer, digit by digit) where a long follow everywhere crowds other answers out;
-    `reach` 16 lets a question longer than the window look for its answer; `sentence` 0.5 from
+    `sentence` 0.5 from
     budget 256 keeps a fact with its sentence where there is room for it. They were chosen on the
     RULER-style prompts of seeds 0-2, in SmolLM2's token counts (`docs/experiments/2026-12-04-default-knobs.md`).
     """
@@ -46,7 +46,6 @@ class SpanPolicy(SnapKVPolicy):
     long_follow: int = 40
     long_places: int = 1
     pool_kernel: int = 7
-    reach: int = 16
     sentence: float = 0.5
     sentence_keys: int = 64
     sentence_from: int = 256
@@ -93,8 +92,7 @@ class SpanPolicy(SnapKVPolicy):
         spread = spread_scores(pooled, kv_indptr, self.follow)
         if not self.long_places or self.long_follow <= self.follow:
             return spread
-        observed = window + self.queries_before_window()
-        best = best_places(pooled, kv_indptr, self.long_places, self.long_follow, sink, observed + self.long_follow)
+        best = best_places(pooled, kv_indptr, self.long_places, self.long_follow, sink, window + self.long_follow)
         # Attention mass is >= 0, so 0 leaves every other key to its `follow` spread.
         longer = spread_scores(torch.where(best, pooled, 0.0), kv_indptr, self.long_follow)
         return torch.maximum(spread, longer)

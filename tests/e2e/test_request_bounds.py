@@ -131,7 +131,7 @@ def _policy(rng: random.Random) -> Any:
     name = rng.choice(["span", "snapkv", "h2o", "tova", "keynorm", "streamingllm", "lru"])
     if rng.random() < 0.4:
         return name
-    knobs = ["pool_kind", "pool_kernel", "reach", "reach_weight", "follow", "long_follow", "long_places"]
+    knobs = ["pool_kind", "pool_kernel", "follow", "long_follow", "long_places"]
     knobs += ["sentence", "sentence_keys", "sentence_from", "unknown"]
     return {"name": name, **{knob: _value(rng) for knob in rng.sample(knobs, rng.randint(1, 4))}}
 

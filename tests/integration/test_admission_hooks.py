@@ -80,7 +80,7 @@ def test_a_new_requests_first_chunk_is_admitted_only_if_its_store_rows_fit(monke
 
     from sglang_kvsparse.patches import chunking, context
 
-    monkeypatch.setattr(context, "_state", SimpleNamespace(config=SimpleNamespace(observed=32)))
+    monkeypatch.setattr(context, "_state", SimpleNamespace(config=SimpleNamespace(window=32)))
     adder = SimpleNamespace(
         page_size=1,
         memory_budget=SimpleNamespace(remaining_total=remaining_total),

@@ -58,22 +58,16 @@ def test_extend_reference_matches_dense(group):
     assert rel_error(lse_ref, lse) <= REL
 
 
-@pytest.mark.parametrize("window, reach", [(4, 0), (64, 0), (500, 0), (4, 3), (20, 40)])
-def test_window_reference_matches_dense(window, reach):
-    """The window's probabilities, plus a quarter of the reach queries' on keys before the last
-    window + reach keys of their request, from the dense softmax in float64."""
-    group, heads, reach_weight = 3, 2, 0.25
+@pytest.mark.parametrize("window", [4, 20, 64, 500])
+def test_window_reference_matches_dense(window):
+    """The last `window` queries' probabilities of each request, from the dense softmax in float64."""
+    group, heads = 3, 2
     batch = make_ragged_batch(Q_LENS, KV_LENS, heads, group, 16, torch.float64)
     probs, lse = dense_probs(batch, group)
     q_req = segment_ids(batch.qo_indptr, batch.q.shape[0])
     from_end = batch.qo_indptr.long()[1:][q_req] - torch.arange(batch.q.shape[0])  # 1 = last query
-    kv_req = segment_ids(batch.kv_indptr, probs.shape[2])
-    key_from_end = batch.kv_indptr.long()[1:][kv_req] - torch.arange(probs.shape[2])  # 1 = last key
-    in_reach = (from_end > window) & (from_end <= window + reach)
-    weight = (from_end <= window).double()[:, None] + reach_weight * (
-        in_reach[:, None] & (key_from_end > window + reach)[None, :]
-    )  # [T_q, T_kv]
-    dense = (probs * weight[:, None, :]).sum(0)  # [H_q, T_kv]
+    weight = (from_end <= window).double()  # [T_q]
+    dense = (probs * weight[:, None, None]).sum(0)  # [H_q, T_kv]
     dense = dense.unflatten(0, (heads, group)).sum(1).T  # [T_kv, H_kv]
     scores = window_scores_torch(
         batch.q,
@@ -84,8 +78,6 @@ def test_window_reference_matches_dense(window, reach):
         batch.kv_indices,
         window,
         batch.sm_scale,
-        reach=reach,
-        reach_weight=reach_weight,
         out=torch.empty_like(dense),  # float64 instead of the default float32
     )
     assert rel_error(scores, dense) <= REL

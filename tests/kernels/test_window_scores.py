@@ -38,8 +38,8 @@ def window_inputs(batch, window):
     return q, lse.masked_fill(outside[:, None], float("nan"))
 
 
-def run_both(batch, window, config=None, reach=0, reach_weight=0.0):
-    q, lse = window_inputs(batch, window + reach)
+def run_both(batch, window, config=None):
+    q, lse = window_inputs(batch, window)
     results = []
     for backend in ("triton", "torch"):
         out = torch.full((batch.kv_indices.numel(), batch.k_buf.shape[1]), float("nan"), device=q.device)
@@ -53,8 +53,6 @@ def run_both(batch, window, config=None, reach=0, reach_weight=0.0):
                 batch.kv_indices,
                 window,
                 batch.sm_scale,
-                reach=reach,
-                reach_weight=reach_weight,
                 out=out,
                 config=config,
                 backend=backend,
@@ -83,22 +81,12 @@ def test_window_scores_small_tiles(window, device):
     assert rel_error(scores, ref) <= REL[torch.float32]
 
 
-@pytest.mark.parametrize("reach", [1, 30])
-@pytest.mark.parametrize("group", [1, 4])
-def test_window_scores_with_reach_match_reference(group, reach, device):
-    """Reach queries before the window (fewer than `reach` where a request has fewer new queries),
-    over several query blocks; rows before the window + reach are NaN, so they are never read."""
-    batch = make_ragged_batch(Q_LENS, KV_LENS, 2, group, 64, torch.float32, device, seed=reach + group)
-    scores, ref = run_both(batch, 20, WindowScoreConfig(block_n=32, block_rows=16), reach, 0.25)
-    assert rel_error(scores, ref) <= REL[torch.float32]
-
-
 def test_the_reference_in_blocks_of_queries_matches_the_kernel(monkeypatch, device):
     """The torch reference takes observed queries a block at a time (H2O observes them all):
-    blocks of 7 rows, reach rows split across blocks, match the Triton kernel."""
+    blocks of 7 rows match the Triton kernel."""
     monkeypatch.setattr(importlib.import_module("sglang_kvsparse.kernels.window_scores"), "REFERENCE_ROWS", 7)
     batch = make_ragged_batch(Q_LENS, KV_LENS, 2, 3, 64, torch.float32, device, seed=5)
-    scores, ref = run_both(batch, 100, WindowScoreConfig(block_n=32, block_rows=16), 30, 0.25)
+    scores, ref = run_both(batch, 100, WindowScoreConfig(block_n=32, block_rows=16))
     assert rel_error(scores, ref) <= REL[torch.float32]
 
 
@@ -128,14 +116,10 @@ def test_window_then_pool_then_select(device):
                 assert set(range(4)) | set(range(length - 8, length)) <= set(row)
 
 
-@pytest.mark.parametrize(
-    "window, reach, reach_weight, message",
-    [(0, 0, 0.0, "window"), (4, -1, 0.0, "reach"), (4, 2, 1.5, "reach_weight")],
-)
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_bad_window_is_refused(backend, window, reach, reach_weight, message):
+def test_bad_window_is_refused(backend):
     batch = make_ragged_batch([3], [5], 1, 1, 16)
-    with pytest.raises(ValueError, match=f"^{message} must"):
+    with pytest.raises(ValueError, match="^window must"):
         window_scores(
             batch.q,
             batch.k_buf,
@@ -143,9 +127,7 @@ def test_bad_window_is_refused(backend, window, reach, reach_weight, message):
             batch.qo_indptr,
             batch.kv_indptr,
             batch.kv_indices,
-            window,
+            0,
             batch.sm_scale,
-            reach=reach,
-            reach_weight=reach_weight,
             backend=backend,
         )

@@ -188,10 +188,8 @@ def test_direct_construction_is_validated_and_normalized():
         SnapKVPolicy(pool_kernel=20001)
     with pytest.raises(ValueError, match="follow: expected an integer from 0 to 256, got 1000000000000000000000"):
         SpanPolicy(follow=10**21)
-    with pytest.raises(ValueError, match="reach: expected an integer from 0 to 256, got -1"):
-        SnapKVPolicy(reach=-1)
-    with pytest.raises(ValueError, match=r"reach_weight: expected a number in \[0, 1\]"):
-        SnapKVPolicy(reach_weight=2)
+    with pytest.raises(TypeError, match="reach"):  # removed: no measurement earned it
+        SnapKVPolicy(reach=16)
     with pytest.raises(ValueError, match="long_follow: expected an integer from 0 to 256"):
         SpanPolicy(long_follow=-2)
     with pytest.raises(ValueError, match="long_places: expected an integer from 0 to 8"):
@@ -228,9 +226,9 @@ def test_round_trip_of_pyramid_and_list():
 def test_known_policies_and_describe():
     assert {"snapkv", "streamingllm", "keynorm"} <= set(POLICIES)
     assert parse_config('{"policy": "streamingllm"}').policy == StreamingLLMPolicy()
-    assert "snapkv (pool_kind max, pool_kernel 15, reach 0, reach_weight 0.25)" in PRESETS["snapkv"].describe()
+    assert "snapkv (pool_kind max, pool_kernel 15)" in PRESETS["snapkv"].describe()
     assert (
-        "span (pool_kind max, pool_kernel 7, reach 16, reach_weight 0.25, follow 8, long_follow 40, long_places 1,"
+        "span (pool_kind max, pool_kernel 7, follow 8, long_follow 40, long_places 1,"
         " sentence 0.5, sentence_keys 64, sentence_from 256)" in PRESETS["default"].describe()
     )
     assert "pyramid" in PRESETS["pyramidkv"].describe()

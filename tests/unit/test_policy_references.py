@@ -33,7 +33,7 @@ STEPS = 22
 #: Small knobs so that pooling and spreading show at these lengths.
 KNOBS: dict[str, dict] = {
     "snapkv": {"pool_kernel": 3},
-    "span": {"pool_kernel": 3, "follow": 2, "long_follow": 4, "long_places": 1, "reach": 2, "reach_weight": 0.25},
+    "span": {"pool_kernel": 3, "follow": 2, "long_follow": 4, "long_places": 1},
 }
 
 
@@ -69,22 +69,18 @@ def window_mass(probs: torch.Tensor, queries: int) -> torch.Tensor:
 
 
 def snapkv(probs, keys, knobs):
-    """The window's mass, plus `reach_weight` times that of the `reach` queries before it on the
-    keys before all of these queries, pooled."""
-    observed = WINDOW + knobs.get("reach", 0)
-    reach = probs[:, -observed:-WINDOW].sum(1).T if observed > WINDOW else torch.zeros_like(probs[:, 0].T)
-    reach[probs.shape[-1] - observed :] = 0
-    mass = window_mass(probs, WINDOW) + knobs.get("reach_weight", 0.25) * reach
+    """The window's mass, pooled."""
+    mass = window_mass(probs, WINDOW)
     return max_over(mass, range(-(knobs["pool_kernel"] // 2), knobs["pool_kernel"] // 2 + 1))
 
 
 def span(probs, keys, knobs):
     """SnapKV's scores spread `follow` keys forward; per head, the best local maximum (within
-    `long_follow` keys either side) past the sink and `long_follow` keys before the observed
-    queries spread `long_follow` keys forward."""
+    `long_follow` keys either side) past the sink and `long_follow` keys before the window
+    spread `long_follow` keys forward."""
     pooled = snapkv(probs, keys, knobs)
     n, reach = pooled.shape[0], knobs["long_follow"]
-    places = range(SINK, n - (WINDOW + knobs["reach"] + reach))
+    places = range(SINK, n - (WINDOW + reach))
     longer = torch.zeros_like(pooled)
     for h in range(pooled.shape[1]):
         peaks = [i for i in places if pooled[i, h] == pooled[max(0, i - reach) : i + reach + 1, h].max()]

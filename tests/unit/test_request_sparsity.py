@@ -43,10 +43,10 @@ def test_a_request_asks_for_its_own_budget_or_for_no_sparsity():
     off = check_request({"kvsparse": {"enabled": False}}, 400, 112, RESOLVED)
     assert (off.label, off.row_budget(RESOLVED)) == ("off", 512)  # every token of a 512-token request
     assert parse_request({"kvsparse": {"enabled": True}}, RESOLVED) == SERVER_SETTING
-    both = parse_request({"kvsparse": {"budget": 30, "policy": {"name": "span", "follow": 32, "reach": 0}}}, RESOLVED)
-    assert both == RequestSparsity(budget=30, policy=SpanPolicy(follow=32, reach=0))
+    both = parse_request({"kvsparse": {"budget": 30, "policy": {"name": "span", "follow": 32}}}, RESOLVED)
+    assert both == RequestSparsity(budget=30, policy=SpanPolicy(follow=32))
     knobs = (
-        "pool_kind max, pool_kernel 7, reach 0, reach_weight 0.25, follow 32, long_follow 40, long_places 1,"
+        "pool_kind max, pool_kernel 7, follow 32, long_follow 40, long_places 1,"
         " sentence 0.5, sentence_keys 64, sentence_from 256"
     )
     assert both.label == f"budget 30, policy span ({knobs})"
@@ -74,7 +74,10 @@ def test_a_request_asks_for_its_own_budget_or_for_no_sparsity():
             "custom_params.kvsparse.policy.follow: expected an integer from 0 to 256",
         ),
         ({"policy": {"follow": 8}}, "custom_params.kvsparse.policy: expected a policy name or an object with a 'name'"),
-        ({"policy": "span"}, "custom_params.kvsparse.policy.reach: at most 0 on this server (its policy's"),
+        (
+            {"policy": {"name": "span", "reach": 16}},
+            "custom_params.kvsparse.policy.reach: unknown knob of policy 'span'",
+        ),
     ],
 )
 def test_a_bad_setting_is_refused_naming_the_field(value, message):
@@ -293,14 +296,3 @@ def test_a_captured_decode_step_refuses_a_request_with_its_own_policy():
     grow(state, [1, 2], [11, 11])
     with pytest.raises(ValueError, match="a captured decode step scores with the server's policy"):
         DecodeBuffers(state, 4, "cpu").fill(plan_decode(state, [1, 2]))
-
-
-def test_a_request_may_read_as_many_queries_before_the_window_as_the_server_leaves():
-    """A prefix hit or a chunk cut leaves the prefill the server policy's observed queries
-    (`SparsityConfig.observed`); a request's policy up to that reach is accepted, beyond it refused."""
-    server = SparsityConfig(full_layers=(0,), budget=64, window=16, policy=SpanPolicy(reach=16)).resolve(4, 4096)
-    assert server.config.observed == 32
-    assert RESOLVED.config.observed == 16
-    assert parse_request({"kvsparse": {"policy": "span"}}, server).policy == SpanPolicy()
-    with pytest.raises(ValueError, match=r"policy.reach: at most 16 on this server"):
-        parse_request({"kvsparse": {"policy": {"name": "span", "reach": 17}}}, server)
