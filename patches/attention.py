@@ -29,6 +29,7 @@ from sglang_kvsparse.decode_graph import DecodeBuffers
 from sglang_kvsparse.guide import PrefillGuide
 from sglang_kvsparse.planning import plan_extend
 from sglang_kvsparse.plans import ForwardPlan, MixedPlan
+from sglang_kvsparse.request_table import Phase
 from sglang_kvsparse.sparse_attention import prepare_decode, sparse_decode, sparse_extend, sparse_mixed
 from sglang_kvsparse.sparse_state import SparseState
 
@@ -94,7 +95,7 @@ class KVSparseBackend(AttentionBackend):
             self._plan = self._plan_decode(rows, device)
         elif mode.is_extend() and not mode.is_target_verify():
             # SGLang runs a mixed batch (prefills, then running rows' decode tokens) as an extend.
-            decoding = self.state.prefilled[rows]
+            decoding = self.state.requests.is_(Phase.DECODING, rows)
             prefilling = int((~decoding).sum())
             if bool(decoding[:prefilling].any()):
                 raise NotImplementedError("kvsparse: a mixed batch whose decoding rows do not follow its prefills")
@@ -145,7 +146,7 @@ class KVSparseBackend(AttentionBackend):
         """Whether a decode step of this batch can replay a captured graph: not when a request
         scores with a policy of its own (the graph scores with the server's); counted."""
         rows = self._rows(forward_batch)
-        if any(self.state.request_policy[row] is not None for row in rows):
+        if any(self.state.requests.policy[row] is not None for row in rows):
             self.state.counters.eager_decode_steps += 1
             return False
         return True

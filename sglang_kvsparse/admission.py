@@ -44,7 +44,7 @@ def rows_to_hold(state: SparseState, final_len: int, budget: int = 0) -> int:
 
 def row_rows_to_hold(state: SparseState, row: int, final_len: int) -> int:
     """`rows_to_hold` of the request in `row`, at its own budget."""
-    return rows_to_hold(state, final_len, int(state.request_budget[row]))
+    return rows_to_hold(state, final_len, int(state.requests.budget[row]))
 
 
 def prefill_peak_rows(state: SparseState, prompt_len: int, chunk_size: int | None, budget: int = 0) -> int:

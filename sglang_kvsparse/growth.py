@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang_kvsparse.request_table import Phase
 from sglang_kvsparse.row_table import HeapError
 from sglang_kvsparse.sparse_group import SparseGroup
 
@@ -19,11 +20,12 @@ if TYPE_CHECKING:
 
 def grow_to_lengths(state: SparseState, rows: torch.Tensor, targets: torch.Tensor) -> None:
     """Grow each request row (host [n]) to its target length."""
-    prefilling = ~state.running[rows] | state.partial[rows]
+    requests = state.requests
+    prefilling = requests.phase[rows] <= Phase.CHUNKED
     stepping = rows[~prefilling]
-    if bool((targets[~prefilling] != state.logical[stepping] + 1).any()):
+    if bool((targets[~prefilling] != requests.length[stepping] + 1).any()):
         raise HeapError("a running row grows by more than one token: only one decode token per step is supported")
-    chunk = prefilling & (targets < state.fill_len[rows])  # a chunk before the prompt's last
+    chunk = prefilling & (targets < requests.fill_len[rows])  # a chunk before the prompt's last
     new = prefilling & ~chunk
     plans = [_growth(state, group, rows[new], targets[new], stepping) for group in state.groups]
     total = sum(pages for pages, _ in plans) * state.page_size
@@ -36,9 +38,9 @@ def grow_to_lengths(state: SparseState, rows: torch.Tensor, targets: torch.Tenso
         mine = taken[offset : offset + pages * state.page_size]
         offset += mine.numel()
         _grow(state, group, rows[new], targets[new], stepping, evicting, mine)
-    state.logical[rows] = targets
-    state.running[rows] = True
-    state.partial[rows[prefilling]] = chunk[prefilling]
+    requests.length[rows] = targets
+    starting = rows[prefilling]
+    requests.phase[starting] = torch.where(chunk[prefilling], Phase.CHUNKED, Phase.PREFILLING).to(torch.int8)
     state.counters.requests_running_peak = max(state.counters.requests_running_peak, state.requests_running())
     if bool(prefilling.any()):  # a prefill's allocation, where the host may wait: never a decode step's
         state.heap.reserve(state.decode_reserve())
@@ -52,7 +54,7 @@ def _score_rows(state: SparseState, group: SparseGroup, rows: torch.Tensor) -> l
 def _scored(state: SparseState, group: SparseGroup, rows: torch.Tensor) -> torch.Tensor:
     """Which of these new rows will evict in the group (one of unknown final length may grow
     to the context length)."""
-    final = state.final_len[rows]
+    final = state.requests.final_len[rows]
     final = torch.where(final == 0, state.resolved.context_len, final)
     return final > state.max_entries(group, rows)
 

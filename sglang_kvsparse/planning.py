@@ -16,6 +16,7 @@ import torch
 from sglang_kvsparse.device_copy import upload
 from sglang_kvsparse.plans import ColumnPlan, DecodeTables, Eviction, ForwardPlan, PolicyGroup
 from sglang_kvsparse.policies import ScoringPolicy
+from sglang_kvsparse.request_table import Phase
 from sglang_kvsparse.row_table import HeapError
 from sglang_kvsparse.sparse_group import SparseGroup
 from sglang_kvsparse.sparse_state import SparseState
@@ -31,7 +32,7 @@ def plan_extend(
     device: torch.device | str = "cpu",
 ) -> ForwardPlan:
     """Plan a prefill: every row keeps min(length, its budget) entries of its whole sequence (cached
-    prefix + new tokens), but for a chunk before its prompt's last (`SparseState.partial`),
+    prefix + new tokens), but for a chunk before its prompt's last (phase `CHUNKED`),
     which keeps none and stores its tokens.
 
     With the prefix store, `prefix_ids` (per row, SGLang's full-pool ids of its matched prefix)
@@ -45,7 +46,7 @@ def plan_extend(
     if any(prefix_lens) and state.store is None:
         raise HeapError("an extend with a cached prefix reached the sparse layers without a prefix store")
     index = torch.tensor(list(rows), dtype=torch.int64)
-    partial = state.partial[index]
+    partial = state.requests.is_(Phase.CHUNKED, index)
     hits = [n for n, row in zip(prefix_lens, rows) if n and not state.continues_chunks(int(row))]
     state.counters.forward_plans += 1
     state.counters.chunks_stored += int(partial.sum())
@@ -127,7 +128,7 @@ def plan_extend(
         )
         for group_columns in staged_columns
     )
-    state.prefilled[index[~partial]] = True
+    state.requests.phase[index[~partial]] = Phase.DECODING
     state.counters.scoring_passes_peak = max(state.counters.scoring_passes_peak, len(policies) or 1)
     # The store took its rows: top the host free list up again to what the running requests'
     # decode steps will take (as the prefill's allocation did), so none waits on the device.
@@ -223,7 +224,7 @@ def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | 
         members: dict[tuple[int, ScoringPolicy | None], list[int]] = {}
         budgets = state.budgets(group, torch.tensor(evicting, dtype=torch.int64)).tolist()
         for row, budget in zip(evicting, budgets):
-            members.setdefault((budget, state.request_policy[row]), []).append(row)
+            members.setdefault((budget, state.requests.policy[row]), []).append(row)
         for (budget, policy), members_rows in members.items():
             slots, score_slots = _old_entries(state, group, members_rows, olds)
             kinds.append((g, budget, policy, staging.add(slots), staging.add(score_slots)))
@@ -253,7 +254,7 @@ def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | 
 def _policy_members(state: SparseState, index: torch.Tensor) -> list[tuple[ScoringPolicy, torch.Tensor, torch.Tensor]]:
     """Every policy of the batch of request rows `index` with its requests' places in the batch
     and the same as a mask (host), when some request has a policy of its own (none otherwise)."""
-    policies = [state.request_policy[row] for row in index.tolist()]
+    policies = [state.requests.policy[row] for row in index.tolist()]
     if all(policy is None for policy in policies):
         return []
     members: dict[ScoringPolicy, list[int]] = {}
@@ -312,7 +313,7 @@ def _use_store(
     prefix = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
     prefix_rows = store.lookup(prefix)
     store.touch(prefix)
-    partial = state.partial[index]
+    partial = state.requests.is_(Phase.CHUNKED, index)
     for row in index[~partial].tolist():
         state.read_held(row)  # pinned before any row is taken below, which may reclaim the store
     new = new_ids.to("cpu", torch.int64)

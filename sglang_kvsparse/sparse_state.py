@@ -43,6 +43,7 @@ from sglang_kvsparse.policies import ScoringPolicy
 from sglang_kvsparse.prefix_store import PrefixStore
 from sglang_kvsparse.released_ids import ReleasedIds
 from sglang_kvsparse.request_sparsity import SERVER_GROUPING, SERVER_SETTING, RequestSparsity
+from sglang_kvsparse.request_table import Phase, RequestTable
 from sglang_kvsparse.row_table import HeapExhausted, RowTable
 from sglang_kvsparse.sentences import SentenceMarks
 from sglang_kvsparse.sparse_group import LaneBuffers, SparseGroup
@@ -92,15 +93,7 @@ class SparseState:
             if prefix_cache and self.groups
             else None
         )
-        self.logical = torch.zeros(max_requests, dtype=torch.int64)  # each row's sequence length
-        self.running = torch.zeros(max_requests, dtype=torch.bool)  # rows holding a request now
-        self.final_len = torch.zeros(max_requests, dtype=torch.int64)  # expected final length, 0: unknown
-        self.fill_len = torch.zeros(max_requests, dtype=torch.int64)  # length its prefill reaches, 0: unknown
-        self.partial = torch.zeros(max_requests, dtype=torch.bool)  # rows between chunks of their prefill
-        self.prefilled = torch.zeros(max_requests, dtype=torch.bool)  # rows whose prefill was planned: decoding
-        self.request_budget = torch.zeros(max_requests, dtype=torch.int64)  # a request's own budget, 0: the groups'
-        self.request_policy: list[ScoringPolicy | None] = [None] * max_requests  # its own policy, None: the server's
-        self._held: dict[int, torch.Tensor] = {}  # partial row -> the store blocks it holds
+        self.requests = RequestTable(max_requests)
         self.counters = Counters()
         #: SGLang's freed ids on their way to the host, for the prefix store (None without one).
         self.released = ReleasedIds(self.store, heap, self.counters) if self.store is not None else None
@@ -117,15 +110,8 @@ class SparseState:
 
     def free(self, row: int) -> None:
         """Release the row in every group (a row that never got any is a no-op)."""
-        self.logical[row] = 0
-        self.running[row] = False
-        self.final_len[row] = 0
-        self.fill_len[row] = 0
-        self.partial[row] = False
-        self.prefilled[row] = False
-        self.request_budget[row] = 0
-        self.request_policy[row] = None
         self._release_held(row)
+        self.requests.clear(row)
         for group in self.groups:
             group.evictions.pop(row, None)
             if group.table.is_active(row):
@@ -147,23 +133,25 @@ class SparseState:
         there. `fill_lens`: the lengths their prefills reach (a shorter allocation is a chunk).
         `settings`: each request's own (`request_sparsity.py`; default the server's)."""
         index = torch.tensor(rows, dtype=torch.int64)
-        self.final_len[index] = torch.tensor(final_lens, dtype=torch.int64)
+        requests = self.requests
+        requests.final_len[index] = torch.tensor(final_lens, dtype=torch.int64)
         if fill_lens is not None:
-            self.fill_len[index] = torch.tensor(fill_lens, dtype=torch.int64)
+            requests.fill_len[index] = torch.tensor(fill_lens, dtype=torch.int64)
         settings = settings if settings is not None else [SERVER_SETTING] * len(rows)
-        self.request_budget[index] = torch.tensor([s.row_budget(self.resolved) for s in settings], dtype=torch.int64)
+        requests.budget[index] = torch.tensor([s.row_budget(self.resolved) for s in settings], dtype=torch.int64)
         for row, setting in zip(rows, settings):
-            self.request_policy[row] = setting.policy
+            requests.policy[row] = setting.policy
+        new = requests.is_(Phase.FREE, index)  # a chunked prompt's later chunks keep the row it got first
+        requests.phase[index[new]] = Phase.ADMITTED
         counts = self.counters.requests_by_setting
-        for setting, continuing in zip(settings, self.running[index].tolist()):
-            if not continuing:  # a chunked prompt's later chunks keep the row it got first
-                counts[setting.label] = counts.get(setting.label, 0) + 1
+        for setting in (s for s, is_new in zip(settings, new.tolist()) if is_new):
+            counts[setting.label] = counts.get(setting.label, 0) + 1
 
     def clear(self) -> None:
         """Release every row, the deferred evictions and the prefix store, giving rows back."""
         if self.released is not None:
             self.released.settle(wait=True)
-        for row in torch.nonzero(self.running).flatten().tolist():
+        for row in torch.nonzero(self.requests.phase).flatten().tolist():
             self.free(row)
         self.finish_forward()
         if self.store is not None:
@@ -176,15 +164,7 @@ class SparseState:
                 group.table.release(row)
             group.evictions.clear()
             group.score_table.zero_()
-        self.logical.zero_()
-        self.running.zero_()
-        self.final_len.zero_()
-        self.fill_len.zero_()
-        self.partial.zero_()
-        self.prefilled.zero_()
-        self.request_budget.zero_()
-        self.request_policy = [None] * len(self.request_policy)
-        self._held.clear()
+        self.requests.reset()
         self._deferred.clear()
         if self.store is not None:
             self.store.clear()
@@ -214,22 +194,22 @@ class SparseState:
         blocks = self.store.blocks_of(full_ids)
         self.store.hold(blocks)
         self._release_held(row)
-        self._held[row] = blocks
+        self.requests.held[row] = blocks
 
     def continues_chunks(self, row: int) -> bool:
         """Whether the request in `row` is past the first chunk of a chunked prefill."""
-        return row in self._held
+        return row in self.requests.held
 
     def read_held(self, row: int) -> None:
         """The request in `row` is in its last chunk: what it held is pinned for this forward,
         after which it is an ordinary cache entry."""
-        blocks = self._held.get(row)
+        blocks = self.requests.held.get(row)
         if blocks is not None:
             self.store.pin_blocks(blocks)
             self._release_held(row)
 
     def _release_held(self, row: int) -> None:
-        blocks = self._held.pop(row, None)
+        blocks = self.requests.held.pop(row, None)
         if blocks is not None:
             self.heap.give(self.store.release(blocks))
 
@@ -308,15 +288,15 @@ class SparseState:
     def own_settings_running(self) -> set[tuple[int, ScoringPolicy | None]]:
         """The distinct own settings (row budget, policy) of the running requests, as the sparse
         layers group them (`RequestSparsity.grouping`); the server's is not one."""
-        rows = torch.nonzero(self.running).flatten().tolist()
-        settings = {(int(self.request_budget[row]), self.request_policy[row]) for row in rows}
+        rows = self.requests.running_rows().tolist()
+        settings = {(int(self.requests.budget[row]), self.requests.policy[row]) for row in rows}
         return settings - {SERVER_GROUPING}
 
     def requests_running(self) -> int:
-        return int(self.running.sum())
+        return int(self.requests.running().sum())
 
     def running_rows(self) -> torch.Tensor:
-        return torch.nonzero(self.running).flatten()
+        return self.requests.running_rows()
 
     def sparse_rows(self, group: SparseGroup) -> int:
         """Heap rows the group's requests hold: entries (pending evictions' included) and scores."""
@@ -330,12 +310,12 @@ class SparseState:
 
     def budgets(self, group: SparseGroup, rows: torch.Tensor) -> torch.Tensor:
         """Each request row's budget in the group: its own, or the group's."""
-        own = self.request_budget[rows]
+        own = self.requests.budget[rows]
         return torch.where(own > 0, own, group.spec.budget)
 
     def max_entries(self, group: SparseGroup, rows: torch.Tensor) -> torch.Tensor:
         """Each request row's most entries in the group (it evicts on reaching them)."""
-        own = self.request_budget[rows]
+        own = self.requests.budget[rows]
         mine = (own + self.config.evict_page).clamp(max=self.resolved.context_len)
         return torch.where(own > 0, mine, group.spec.max_entries)
 
@@ -361,7 +341,7 @@ class SparseState:
         total = 0
         for group in self.groups:
             rows = running[group.table.active[running]]
-            final = self.final_len[rows]
+            final = self.requests.final_len[rows]
             final = torch.where(final == 0, self.resolved.context_len, final)
             most = torch.minimum(self.max_entries(group, rows), final)
             pages = (most + page - 1) // page - (group.table.lengths[rows] + page - 1) // page

@@ -117,7 +117,7 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
     """Stats of `state`, with the heap's free rows as SGLang's allocator counts them."""
     layout, page = state.layout, state.page_size
     running = state.running_rows()
-    full_running = int(((state.logical[running] + page - 1) // page).sum()) * page
+    full_running = int(((state.requests.length[running] + page - 1) // page).sum()) * page
     group_stats = [
         GroupStats(
             g.spec.budget, g.spec.max_entries, g.columns, list(g.spec.layers), state.sparse_rows(g), state.score_rows(g)
@@ -154,7 +154,7 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
     num_kv_heads, head_dim = lane.k.shape[1], lane.k.shape[2]
     bpt = kv_bytes_per_token(num_kv_heads, head_dim, lane.k.element_size())
     unit = row_bytes(layout, bpt)
-    dense = sum(dense_kv_bytes(int(n), layout.num_layers, bpt, page) for n in state.logical[running])
+    dense = sum(dense_kv_bytes(int(n), layout.num_layers, bpt, page) for n in state.requests.length[running])
     return SparseStats(
         config=state.config.to_dict(),
         layout=layout.describe(),
@@ -233,7 +233,7 @@ def describe_tables(state: SparseState) -> str:
     device = sum(g.device_table.nbytes + g.device_scores.nbytes for g in state.groups)
     widths = ", ".join(str(g.table.max_entries) for g in state.groups) or "none"
     return (
-        f"row tables: {state.running.numel()} request rows x {widths} entries: "
+        f"row tables: {state.requests.size} request rows x {widths} entries: "
         f"{host / 2**20:.1f} MiB on the host, {device / 2**20:.1f} MiB on the device"
     )
 

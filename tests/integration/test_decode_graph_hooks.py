@@ -189,6 +189,6 @@ def test_a_request_with_its_own_policy_decodes_eagerly():
     batch = SimpleNamespace(req_pool_indices_cpu=torch.tensor([1, 2]))
     assert graph_can_run(lambda runner, fb: True, runner, batch)
     assert not graph_can_run(lambda runner, fb: False, runner, batch)  # SGLang's own no stands
-    state.request_policy[2] = SnapKVPolicy(pool_kernel=3)
+    state.requests.policy[2] = SnapKVPolicy(pool_kernel=3)
     assert not graph_can_run(lambda runner, fb: True, runner, batch)
     assert state.counters.eager_decode_steps == 1

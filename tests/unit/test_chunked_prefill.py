@@ -9,6 +9,7 @@ from sglang_kvsparse.admission import prefill_charge, prefill_peak_rows, rows_to
 from sglang_kvsparse.guide import PrefillGuide
 from sglang_kvsparse.planning import plan_decode, plan_extend
 from sglang_kvsparse.plans import MixedPlan
+from sglang_kvsparse.request_table import Phase
 from sglang_kvsparse.sparse_attention import sparse_extend, sparse_mixed
 
 from .heap import H_KV, D, grow, make_state
@@ -88,6 +89,7 @@ def test_a_chunked_prompt_keeps_scores_and_outputs_what_the_unchunked_prompt_doe
 
     state, heap = make_state(**make)
     state.expect([1, 2], [n + 40 for n in lengths], lengths)
+    assert state.requests.is_(Phase.ADMITTED, torch.tensor([1, 2])).all()
     (q1, k1, v1), (q2, k2, v2) = seqs
     ends = chunk_ends(lengths[0], chunk, window, page)
     assert len(ends) > 2 and lengths[0] - ends[-2] >= window
@@ -105,7 +107,7 @@ def test_a_chunked_prompt_keeps_scores_and_outputs_what_the_unchunked_prompt_doe
         outputs.append(
             forward(state, [1], [start], [end - start], [prompt_ids], chunk_ids, q1[part], k1[part], v1[part])
         )
-        assert bool(state.partial[1]) and not state.groups[0].table.is_active(1)
+        assert state.requests.phase[1] == Phase.CHUNKED and not state.groups[0].table.is_active(1)
         prompt_ids = torch.cat([prompt_ids, chunk_ids])
         assert state.reclaimable_rows() == 0  # the chunks so far are held, not cache
         assert state.store.valid_prefix_len(prompt_ids) == end
@@ -125,7 +127,7 @@ def test_a_chunked_prompt_keeps_scores_and_outputs_what_the_unchunked_prompt_doe
         torch.cat([v1[last], v2]),
     )
     outputs.append(out)
-    assert not bool(state.partial[1])
+    assert state.requests.phase[1] == Phase.DECODING
     assert torch.allclose(torch.cat(outputs), whole, atol=1e-5)
     for row in (1, 2):
         for mine, theirs in zip(kept(state, row), kept(whole_state, row)):
@@ -136,6 +138,7 @@ def test_a_chunked_prompt_keeps_scores_and_outputs_what_the_unchunked_prompt_doe
         state.free(row)
     heap.sglang_free(torch.cat(held))
     assert state.store.rows() == 0 and heap.free_rows() == 1024
+    assert not state.requests.phase.any() and not state.requests.held  # every record FREE
 
 
 def test_a_chunked_request_freed_midway_gives_its_held_blocks_back():

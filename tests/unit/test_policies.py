@@ -135,13 +135,13 @@ def test_keynorm_prefers_small_keys():
 
 def test_span_raises_sentences_only_in_requests_with_room_for_them():
     """In one batch, the request whose budget reaches `sentence_from` gets its keys raised to
-    half of their sentence's best; the one below keeps `span`'s plain scores."""
+    their sentence's best; the one below keeps `span`'s plain scores."""
     ends = torch.zeros(sum(KV_LENS), dtype=torch.bool)
     ends[::5] = True
     inputs = dataclasses.replace(_inputs(), sentence_ends=ends, budgets=torch.tensor([300, 100, 256]))
-    policy = POLICIES["span"](sentence=0.5, sentence_from=256)
+    policy = POLICIES["span"](sentence=1.0, sentence_from=256)
     plain = POLICIES["span"](sentence=0.0).score(inputs)
-    raised = POLICIES["span"](sentence=0.5, sentence_from=0).score(inputs)
+    raised = POLICIES["span"](sentence=1.0, sentence_from=0).score(inputs)
     got = policy.score(inputs)
     first, second = KV_LENS[0], KV_LENS[0] + KV_LENS[1]
     assert not torch.equal(raised[:first], plain[:first])

@@ -188,7 +188,7 @@ def test_requests_with_different_settings_in_one_batch_each_keep_their_own():
             assert sorted((e.budget, e.slots.shape[2]) for e in evictions) == [(8, 24), (12, 28)]
         for row in decoding:
             lengths[row] += 1
-        if lengths[3] == 30 and state.running[3]:
+        if lengths[3] == 30 and bool(state.requests.running()[3]):
             assert group.table.length(3) == 30  # off: every token, never a score row
             assert state.rows_held(3) == 3 * 30
             state.free(3)

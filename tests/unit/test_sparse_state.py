@@ -10,6 +10,7 @@ from sglang_kvsparse import kernels
 from sglang_kvsparse.planning import plan_decode, plan_extend
 from sglang_kvsparse.policies import PrefillScoringInputs
 from sglang_kvsparse.request_sparsity import SERVER_SETTING, RequestSparsity
+from sglang_kvsparse.request_table import Phase
 from sglang_kvsparse.row_table import HeapError, HeapExhausted
 from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
 from sglang_kvsparse.stats import collect
@@ -81,7 +82,7 @@ def test_refuses_jumps_and_exhaustion_without_partial_state():
     with pytest.raises(HeapExhausted):
         grow(state, [1, 2, 3], [5, 31, 8])  # (1 + 1 + 8) entries + 3 score rows x 3 columns, 19 free
     assert state.groups[0].table.length(1) == 4 and state.groups[0].table.length(2) == 8
-    assert not state.groups[0].table.is_active(3) and heap.free_rows() == 19 and not state.running[3]
+    assert not state.groups[0].table.is_active(3) and heap.free_rows() == 19 and state.requests.phase[3] == Phase.FREE
 
 
 def test_a_step_evicts_every_layer_on_every_lane_as_each_layer_alone_would():
@@ -413,7 +414,7 @@ def test_rows_are_conserved_across_every_owner_under_random_lifecycles(ops):
                 continue  # SGLang would retract instead
             ids = heap.sglang_alloc(page)
             try:
-                grow(state, [row], [int(state.logical[row]) + 1])
+                grow(state, [row], [int(state.requests.length[row]) + 1])
             except HeapExhausted:
                 heap.sglang_free(ids)
                 continue

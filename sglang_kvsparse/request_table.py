@@ -1,0 +1,73 @@
+"""Each request's record in the sparse layers, one row per SGLang request row (no SGLang imports).
+
+A record holds what the sparse layers know of a request beyond its heap rows (those are the
+groups' `RowTable`s): its sequence length, the lengths it will reach, its own budget and policy,
+the prefix-store blocks it holds between chunks, and its `Phase`. The records are stored column
+by column (host tensors), so that a batch's fields are read with one index, without a Python
+loop per request.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+
+from sglang_kvsparse.policies import ScoringPolicy
+
+
+class Phase(IntEnum):
+    """Where a request row is in its life. A request moves FREE -> ADMITTED (`SparseState.expect`)
+    -> (CHUNKED ->)* PREFILLING (SGLang allocated its rows: `growth.grow_to_lengths`) -> DECODING
+    (its last prefill was planned: `planning.plan_extend`) -> FREE (`SparseState.free`, on finish,
+    abort or retraction)."""
+
+    FREE = 0  # no request
+    ADMITTED = 1  # given the row, its first forward not yet allocated
+    CHUNKED = 2  # its prefill continues in a later chunk; it keeps no entries yet
+    PREFILLING = 3  # allocated for its last (or only) prefill forward
+    DECODING = 4  # each step appends one token
+
+
+class RequestTable:
+    """The records of `size` request rows. A field of a row without a request is 0 (None)."""
+
+    def __init__(self, size: int) -> None:
+        self.length = torch.zeros(size, dtype=torch.int64)  # its sequence length in the sparse layers
+        self.final_len = torch.zeros(size, dtype=torch.int64)  # prompt + max new tokens, 0: unknown
+        self.fill_len = torch.zeros(size, dtype=torch.int64)  # the length its prefill reaches, 0: unknown
+        self.budget = torch.zeros(size, dtype=torch.int64)  # its own budget, 0: the groups'
+        self.policy: list[ScoringPolicy | None] = [None] * size  # its own policy, None: the server's
+        self.phase = torch.zeros(size, dtype=torch.int8)
+        self.held: dict[int, torch.Tensor] = {}  # a CHUNKED row -> the store blocks its chunks are in
+
+    @property
+    def size(self) -> int:
+        return self.phase.numel()
+
+    def is_(self, phase: Phase, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Which rows (all, or these) are in `phase` (bool, host)."""
+        phases = self.phase if rows is None else self.phase[rows]
+        return phases == int(phase)
+
+    def running(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Which rows (all, or these) hold a request whose rows SGLang has allocated (bool, host)."""
+        phases = self.phase if rows is None else self.phase[rows]
+        return phases >= int(Phase.CHUNKED)
+
+    def running_rows(self) -> torch.Tensor:
+        return torch.nonzero(self.running()).flatten()
+
+    def clear(self, row: int) -> None:
+        """Forget the request in `row` (the store blocks it held are the caller's to give back)."""
+        for column in (self.length, self.final_len, self.fill_len, self.budget, self.phase):
+            column[row] = 0
+        self.policy[row] = None
+        self.held.pop(row, None)
+
+    def reset(self) -> None:
+        """Forget every request."""
+        for column in (self.length, self.final_len, self.fill_len, self.budget, self.phase):
+            column.zero_()
+        self.policy = [None] * self.size
+        self.held.clear()
