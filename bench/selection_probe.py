@@ -107,7 +107,8 @@ def layer_scores(mass: torch.Tensor, policy: SpanPolicy, sentence_ends: torch.Te
     indptr = torch.tensor([0, mass.shape[0]], dtype=torch.int32)
     pooled = pool_scores(mass.float(), indptr, policy.pool_kernel, "max")
     spread = policy.spread(pooled, indptr, DEFAULT.sink, DEFAULT.window)
-    return policy.by_sentence(spread, indptr, sentence_ends, torch.tensor([budget]))
+    room = torch.tensor([budget / mass.shape[0]], dtype=torch.float64)
+    return policy.by_sentence(spread, indptr, sentence_ends, room)
 
 
 def kept_sets(scores: dict[int, torch.Tensor], budget: int, guide_layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
@@ -221,7 +222,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"- Machine: {report['machine']}; Hugging Face transformers, fp32, no server",
         f"- Policy `span` (follow {report['settings']['follow']}, long_follow {report['settings']['long_follow']} "
         f"at {report['settings']['long_places']} place(s), pool {DEFAULT.policy.pool_kernel}, "
-        f"sentence {report['settings']['sentence']} from budget {report['settings']['sentence_from']}), "
+        f"sentence {report['settings']['sentence']} from a budget of {report['settings']['sentence_from']} "
+        "of the prompt), "
         f"window {DEFAULT.window}, sink {DEFAULT.sink}, full layers {list(DEFAULT.full_layers)}; guided: "
         f"layers {report['settings']['guide_layers']}",
         "- Kept: per sparse layer, the answer tokens kept in each KV head (digits, one per head), "

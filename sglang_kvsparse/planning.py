@@ -118,6 +118,7 @@ def plan_extend(
                 get(i),
                 get(sc),
                 budgets,
+                budgets.double() / seq_lens.clamp(min=1).double(),
                 compress,
                 prefix_slots=get(p),
                 store_slots=get(st),

@@ -30,16 +30,18 @@ class SpanPolicy(SnapKVPolicy):
     `long_follow` keys along instead. Decode adds attention as SnapKV does; an eviction ranks a
     row's entries spread by `follow` (over the row's entries, which are in position order; a long
     place's followers already carry its score from the prefill). Last, where the server knows the
-    prompt's tokens and the request's budget is at least `sentence_from`, each key is raised to
-    `sentence` times the best score of its sentence (`sglang_kvsparse.sentences`; sentences longer
-    than `sentence_keys` keys are cut), so that a fact is kept with the words that say what it is.
+    prompt's tokens and the request's budget is at least `sentence_from` of its length (a share,
+    as the guide's `guide_below`), each key is raised to `sentence` times the best score of its
+    sentence (`sglang_kvsparse.sentences`; sentences longer than `sentence_keys` keys are cut), so
+    that a fact is kept with the words that say what it is.
 
     Defaults: `follow` 8 covers a 7-digit answer after the word the question lands on and leaves
     room for more candidates at tight budgets; one place with `long_follow` 40 covers a UUID (in
     SmolLM2's tokenizer, digit by digit) where a long follow everywhere crowds other answers out;
-    `sentence` 0.5 from
-    budget 256 keeps a fact with its sentence where there is room for it. They were chosen on the
-    RULER-style prompts of seeds 0-2, in SmolLM2's token counts (`docs/experiments/2026-12-04-default-knobs.md`).
+    `sentence` 0.5 from a budget of 0.07 of the request keeps a fact with its sentence where there
+    is room for it. They were chosen on the RULER-style prompts of seeds 0-2, in SmolLM2's token
+    counts (`docs/experiments/2026-12-04-default-knobs.md`); what each earns on prompts it was not
+    chosen on: `docs/config.md`.
     """
 
     follow: int = 8
@@ -48,7 +50,7 @@ class SpanPolicy(SnapKVPolicy):
     pool_kernel: int = 7
     sentence: float = 0.5
     sentence_keys: int = 64
-    sentence_from: int = 256
+    sentence_from: float = 0.07
     name = "span"
 
     def __post_init__(self) -> None:
@@ -58,25 +60,26 @@ class SpanPolicy(SnapKVPolicy):
         require_count("long_places", self.long_places, 0, MOST_PLACES)
         require_share("sentence", self.sentence)
         require_count("sentence_keys", self.sentence_keys, 1, LONGEST_SENTENCE)
-        require_count("sentence_from", self.sentence_from)
+        require_share("sentence_from", self.sentence_from)
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
         spread = self.spread(super().score(inputs), inputs.kv_indptr, inputs.sink, inputs.window)
-        return self.by_sentence(spread, inputs.kv_indptr, inputs.sentence_ends, inputs.budgets)
+        return self.by_sentence(spread, inputs.kv_indptr, inputs.sentence_ends, inputs.room)
 
     def by_sentence(
         self,
         scores: torch.Tensor,
         kv_indptr: torch.Tensor,
         sentence_ends: torch.Tensor | None,
-        budgets: torch.Tensor | None = None,
+        room: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`scores` [total_kv, H_kv], each key of a request whose budget (`budgets` [B] on the
-        host; None: every request) is at least `sentence_from` raised to `sentence` times its
-        sentence's best; unchanged when `sentence` is 0 or the sentence ends are unknown (None)."""
+        """`scores` [total_kv, H_kv], each key of a request whose budget over its length (`room`
+        [B] on the host; None: every request) is at least `sentence_from` raised to `sentence`
+        times its sentence's best; unchanged when `sentence` is 0 or the sentence ends are
+        unknown (None)."""
         if not self.sentence or sentence_ends is None:
             return scores
-        wide = None if budgets is None else budgets >= self.sentence_from
+        wide = None if room is None else room >= self.sentence_from
         if wide is not None and not bool(wide.any()):  # a host tensor: no device sync
             return scores
         sentences = sentence_numbers(sentence_ends, kv_indptr, self.sentence_keys)

@@ -198,8 +198,8 @@ def test_direct_construction_is_validated_and_normalized():
         SpanPolicy(sentence=1.5)
     with pytest.raises(ValueError, match="sentence_keys: expected an integer from 1 to 1024"):
         SpanPolicy(sentence_keys=0)
-    with pytest.raises(ValueError, match="sentence_from: expected an integer from 0 to"):
-        SpanPolicy(sentence_from=-1)
+    with pytest.raises(ValueError, match=r"sentence_from: expected a number in \[0, 1\]"):
+        SpanPolicy(sentence_from=256)  # a share of the request's length since 2026-12-04
     with pytest.raises(SparsityConfigError, match="policy: expected a scoring policy"):
         SparsityConfig(policy="snapkv")
     config = SparsityConfig(full_layers=[3, 0], budget=[64, 128])
@@ -229,7 +229,7 @@ def test_known_policies_and_describe():
     assert "snapkv (pool_kind max, pool_kernel 15)" in PRESETS["snapkv"].describe()
     assert (
         "span (pool_kind max, pool_kernel 7, follow 8, long_follow 40, long_places 1,"
-        " sentence 0.5, sentence_keys 64, sentence_from 256)" in PRESETS["default"].describe()
+        " sentence 0.5, sentence_keys 64, sentence_from 0.07)" in PRESETS["default"].describe()
     )
     assert "pyramid" in PRESETS["pyramidkv"].describe()
     assert "64..256" in SparsityConfig(full_layers=(0,), budget=(64, 256)).describe()

@@ -134,12 +134,12 @@ def test_keynorm_prefers_small_keys():
 
 
 def test_span_raises_sentences_only_in_requests_with_room_for_them():
-    """In one batch, the request whose budget reaches `sentence_from` gets its keys raised to
-    their sentence's best; the one below keeps `span`'s plain scores."""
+    """In one batch, the requests whose budget over their length reaches `sentence_from` get
+    their keys raised to their sentence's best; the one below keeps `span`'s plain scores."""
     ends = torch.zeros(sum(KV_LENS), dtype=torch.bool)
     ends[::5] = True
-    inputs = dataclasses.replace(_inputs(), sentence_ends=ends, budgets=torch.tensor([300, 100, 256]))
-    policy = POLICIES["span"](sentence=1.0, sentence_from=256)
+    inputs = dataclasses.replace(_inputs(), sentence_ends=ends, room=torch.tensor([0.3, 0.1, 0.2], dtype=torch.float64))
+    policy = POLICIES["span"](sentence=1.0, sentence_from=0.2)
     plain = POLICIES["span"](sentence=0.0).score(inputs)
     raised = POLICIES["span"](sentence=1.0, sentence_from=0).score(inputs)
     got = policy.score(inputs)

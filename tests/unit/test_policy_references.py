@@ -233,11 +233,11 @@ def raised_to_sentences(scores: torch.Tensor, ends: list[bool], share: float, lo
     return out
 
 
-@pytest.mark.parametrize(("share", "sentence_from"), [(0.9, BUDGET), (1.0, 0), (0.9, BUDGET + 1)])
+@pytest.mark.parametrize(("share", "sentence_from"), [(0.9, 0.4), (1.0, 0.0), (0.9, 0.41)])
 def test_span_keeps_whole_sentences_as_its_float64_computation_says(share, sentence_from):
     """A prefill whose keys carry sentence ends (the server marks them from the prompt's tokens):
     `span` keeps by its scores raised to a share of each sentence's best, when the request's
-    budget is at least `sentence_from`; by its plain scores when it is smaller."""
+    budget is at least `sentence_from` of its length; by its plain scores when it is smaller."""
     knobs = {**KNOBS["span"], "sentence": share, "sentence_keys": 5, "sentence_from": sentence_from}
     policy = POLICIES["span"](**knobs)
     prompt = 30
@@ -252,7 +252,8 @@ def test_span_keeps_whole_sentences_as_its_float64_computation_says(share, sente
     sparse_extend(q, keys, values, SCALE, plan, plan.column(row.slot), row.lane, policy)
     row.state.finish_forward()
     plain = span(probabilities(q, keys), keys, knobs)
-    raises = BUDGET >= sentence_from
+    assert BUDGET / prompt == 0.4
+    raises = BUDGET / prompt >= sentence_from
     want = raised_to_sentences(plain, ends.tolist(), share, 5) if raises else plain
     held, stored = row.held(keys)
     changed = False
