@@ -45,7 +45,7 @@ from kvsparse_testbed import ruler
 from kvsparse_testbed.texts import essay_text
 from sglang_kvsparse.config import PRESETS
 from sglang_kvsparse.guide import PrefillGuide
-from sglang_kvsparse.kernels import pool_scores, select_kept
+from sglang_kvsparse.kernels import select_kept
 from sglang_kvsparse.models import ensure_default_model
 from sglang_kvsparse.policies import SpanPolicy
 from sglang_kvsparse.sentences import sentence_end_tokens
@@ -102,11 +102,10 @@ class AttentionProbe:
 
 
 def layer_scores(mass: torch.Tensor, policy: SpanPolicy, sentence_ends: torch.Tensor, budget: int) -> torch.Tensor:
-    """`span`'s scores [L, H_kv] from a layer's window mass: pooled, spread forward, then raised
-    by sentence (`sentence_ends` [L] bool, as the server marks them) at a budget that has room."""
+    """`span`'s scores [L, H_kv] from a layer's window mass: spread forward, then raised by
+    sentence (`sentence_ends` [L] bool, as the server marks them) at a budget that has room."""
     indptr = torch.tensor([0, mass.shape[0]], dtype=torch.int32)
-    pooled = pool_scores(mass.float(), indptr, policy.pool_kernel, "max")
-    spread = policy.spread(pooled, indptr, DEFAULT.sink, DEFAULT.window)
+    spread = policy.spread(mass.float(), indptr, DEFAULT.sink, DEFAULT.window)
     room = torch.tensor([budget / mass.shape[0]], dtype=torch.float64)
     return policy.by_sentence(spread, indptr, sentence_ends, room)
 
@@ -221,7 +220,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"- Machine: {report['machine']}; Hugging Face transformers, fp32, no server",
         f"- Policy `span` (follow {report['settings']['follow']}, long_follow {report['settings']['long_follow']} "
-        f"at {report['settings']['long_places']} place(s), pool {DEFAULT.policy.pool_kernel}, "
+        f"at {report['settings']['long_places']} place(s), "
         f"sentence {report['settings']['sentence']} from a budget of {report['settings']['sentence_from']} "
         "of the prompt), "
         f"window {DEFAULT.window}, sink {DEFAULT.sink}, full layers {list(DEFAULT.full_layers)}; guided: "

@@ -1,4 +1,5 @@
-"""Span-aware SnapKV: a kept key keeps the keys that follow it, so many-token answers survive."""
+"""Span: the observation window's attention, and a kept key keeps the keys that follow it, so
+many-token answers survive."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import torch
 
 from sglang_kvsparse.kernels import best_places, spread_scores
 from sglang_kvsparse.kernels.common import segment_ids
-from sglang_kvsparse.policies.base import PrefillScoringInputs
-from sglang_kvsparse.policies.snapkv import SnapKVPolicy, require_count, require_share
+from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
+from sglang_kvsparse.policies.snapkv import require_count, require_share
 from sglang_kvsparse.sentences import raise_to_sentence_best, sentence_numbers
 
 #: Upper bounds of the knobs (as `snapkv.WIDEST_POOL`): a follow costs a few operations per
@@ -20,20 +21,21 @@ LONGEST_SENTENCE = 1024
 
 
 @dataclass(frozen=True)
-class SpanPolicy(SnapKVPolicy):
-    """SnapKV's pooled window scores, then each key raised to the best of the `follow` keys
-    before it: a question's attention lands on the first token of an answer (a 7-digit number, a
-    UUID), and the tokens after it come along, where SnapKV's centred pooling keeps only
-    `pool_kernel // 2` of them. The `long_places` best places of a request's text (per KV head:
-    keys scoring highest within `long_follow` keys either side, past the sink and at least
-    `long_follow` keys before the observation window, whose own text draws local attention) bring
-    `long_follow` keys along instead. Decode adds attention as SnapKV does; an eviction ranks a
-    row's entries spread by `follow` (over the row's entries, which are in position order; a long
-    place's followers already carry its score from the prefill). Last, where the server knows the
-    prompt's tokens and the request's budget is at least `sentence_from` of its length (a share,
-    as the guide's `guide_below`), each key is raised to `sentence` times the best score of its
-    sentence (`sglang_kvsparse.sentences`; sentences longer than `sentence_keys` keys are cut), so
-    that a fact is kept with the words that say what it is.
+class SpanPolicy(ScoringPolicy):
+    """The observation window's attention (SnapKV's scores without its pooling), then each key
+    raised to the best of the `follow` keys before it: a question's attention lands on the first
+    token of an answer (a 7-digit number, a UUID), and the tokens after it come along, where
+    SnapKV's centred pooling keeps only half its width of them. The `long_places` best places of
+    a request's text (per KV head: keys scoring highest within `long_follow` keys either side,
+    past the sink and at least `long_follow` keys before the observation window, whose own text
+    draws local attention) bring `long_follow` keys along instead. Decode adds each step's
+    attention (H2O-style); an eviction ranks a row's entries spread by `follow` (over the row's
+    entries, which are in position order; a long place's followers already carry its score from
+    the prefill). Last, where the server knows the prompt's tokens and the request's budget is at
+    least `sentence_from` of its length (a share, as the guide's `guide_below`), each key is
+    raised to `sentence` times the best score of its sentence (`sglang_kvsparse.sentences`;
+    sentences longer than `sentence_keys` keys are cut), so that a fact is kept with the words
+    that say what it is.
 
     Defaults: `follow` 8 covers a 7-digit answer after the word the question lands on and leaves
     room for more candidates at tight budgets; one place with `long_follow` 40 covers a UUID (in
@@ -47,14 +49,12 @@ class SpanPolicy(SnapKVPolicy):
     follow: int = 8
     long_follow: int = 40
     long_places: int = 1
-    pool_kernel: int = 7
     sentence: float = 0.5
     sentence_keys: int = 64
     sentence_from: float = 0.07
     name = "span"
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         require_count("follow", self.follow, 0, LONGEST_FOLLOW)
         require_count("long_follow", self.long_follow, 0, LONGEST_FOLLOW)
         require_count("long_places", self.long_places, 0, MOST_PLACES)
@@ -63,7 +63,8 @@ class SpanPolicy(SnapKVPolicy):
         require_share("sentence_from", self.sentence_from)
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
-        spread = self.spread(super().score(inputs), inputs.kv_indptr, inputs.sink, inputs.window)
+        attention = inputs.attention_from_last(inputs.window)
+        spread = self.spread(attention, inputs.kv_indptr, inputs.sink, inputs.window)
         return self.by_sentence(spread, inputs.kv_indptr, inputs.sentence_ends, inputs.room)
 
     def by_sentence(
@@ -89,15 +90,15 @@ class SpanPolicy(SnapKVPolicy):
         keys = segment_ids(kv_indptr, scores.shape[0])
         return torch.where(wide.to(scores.device)[keys][:, None], raised, scores)
 
-    def spread(self, pooled: torch.Tensor, kv_indptr: torch.Tensor, sink: int, window: int) -> torch.Tensor:
-        """`span`'s scores from SnapKV's pooled ones [total_kv, H_kv] (requests bounded by
+    def spread(self, attention: torch.Tensor, kv_indptr: torch.Tensor, sink: int, window: int) -> torch.Tensor:
+        """`span`'s scores from the window's attention [total_kv, H_kv] (requests bounded by
         `kv_indptr`; `sink` and `window` as the selection protects them)."""
-        spread = spread_scores(pooled, kv_indptr, self.follow)
+        spread = spread_scores(attention, kv_indptr, self.follow)
         if not self.long_places or self.long_follow <= self.follow:
             return spread
-        best = best_places(pooled, kv_indptr, self.long_places, self.long_follow, sink, window + self.long_follow)
+        best = best_places(attention, kv_indptr, self.long_places, self.long_follow, sink, window + self.long_follow)
         # Attention mass is >= 0, so 0 leaves every other key to its `follow` spread.
-        longer = spread_scores(torch.where(best, pooled, 0.0), kv_indptr, self.long_follow)
+        longer = spread_scores(torch.where(best, attention, 0.0), kv_indptr, self.long_follow)
         return torch.maximum(spread, longer)
 
     def eviction_scores(self, scores: torch.Tensor) -> torch.Tensor:

@@ -228,7 +228,7 @@ def test_known_policies_and_describe():
     assert parse_config('{"policy": "streamingllm"}').policy == StreamingLLMPolicy()
     assert "snapkv (pool_kind max, pool_kernel 15)" in PRESETS["snapkv"].describe()
     assert (
-        "span (pool_kind max, pool_kernel 7, follow 8, long_follow 40, long_places 1,"
+        "span (follow 8, long_follow 40, long_places 1,"
         " sentence 0.5, sentence_keys 64, sentence_from 0.07)" in PRESETS["default"].describe()
     )
     assert "pyramid" in PRESETS["pyramidkv"].describe()
