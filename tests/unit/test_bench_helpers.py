@@ -171,7 +171,7 @@ def test_ablation_beside_kvpress_counts_prompts_both_full_caches_answer() -> Non
 
 
 def test_kvpress_rows_count_prompts_both_full_caches_solve_and_name_the_best_press() -> None:
-    fidelity = _fidelity_module()
+    fidelity = _fidelity_module("common/fidelity_report.py")
 
     def answers(*correct: bool) -> dict:
         return {f"p{i}": {"correct": c, "prompt_tokens": 3000} for i, c in enumerate(correct)}
