@@ -62,15 +62,16 @@ def policy_setting(budget: int, knobs: dict[str, Any] | None) -> dict[str, Any]:
     return {"budget": budget, "policy": policy}
 
 
-def chosen_variants(labels: str | None) -> dict[str, dict[str, Any]]:
-    """The policy variants `--variants` names (all without it); exits naming an unknown label."""
+def chosen_variants(labels: str | None, variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The `variants` these labels (separated by ';') name, all without any; exits naming an
+    unknown label."""
     if labels is None:
-        return POLICY_VARIANTS
+        return variants
     chosen = [label.strip() for label in labels.split(";")]
-    unknown = [label for label in chosen if label not in POLICY_VARIANTS]
+    unknown = [label for label in chosen if label not in variants]
     if unknown:
-        raise SystemExit(f"--variants: unknown {unknown}; known: {list(POLICY_VARIANTS)}")
-    return {label: POLICY_VARIANTS[label] for label in chosen}
+        raise SystemExit(f"unknown variants {unknown}; known: {list(variants)}")
+    return {label: variants[label] for label in chosen}
 
 
 def server_config(changes: dict[str, Any]) -> str:
@@ -82,6 +83,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_selection_arguments(parser, seeds="3,4,5")
     parser.add_argument("--no-server-variants", action="store_true", help="only the request-level variants")
+    parser.add_argument(
+        "--server-variants",
+        help=f"only these server variants, labels separated by ';' (of: {'; '.join(SERVER_VARIANTS)})",
+    )
     parser.add_argument(
         "--variants", help=f"only these policy variants, labels separated by ';' (of: {'; '.join(POLICY_VARIANTS)})"
     )
@@ -99,8 +104,8 @@ def main() -> None:
         return
     prompts, budgets = selection(args)
     made = provenance(sys.argv)
-    server_variants = {} if args.no_server_variants else SERVER_VARIANTS
-    policy_variants = chosen_variants(args.variants)
+    server_variants = {} if args.no_server_variants else chosen_variants(args.server_variants, SERVER_VARIANTS)
+    policy_variants = chosen_variants(args.variants, POLICY_VARIANTS)
     answers: dict[str, dict[str, Any]] = {p.prompt_id: {} for p in prompts}
     paths = ReportPaths(args.out_dir, args.stem)
 
