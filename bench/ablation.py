@@ -287,7 +287,10 @@ def markdown(data: dict[str, Any]) -> str:
         cells = [f"{by_budget[b][0]} of {by_budget[b][1]}" if by_budget[b][1] else "—" for b in budgets]
         ran = all(by_budget[b][1] == base[b][1] for b in budgets) and label != DEFAULT_LABEL
         delta = f"{sum(by_budget[b][0] - base[b][0] for b in budgets):+d}" if ran else "—"
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {delta} |")
+        asked = any(by_budget[b][1] for b in budgets)
+        lines.append(
+            f"| {label}{'' if asked else ' (not run: the run was stopped)'} | " + " | ".join(cells) + f" | {delta} |"
+        )
     tasks = sorted({task_of(pid) for pid in data["answers"]})
     if len(tasks) > 1:
         lines += ["", "Per task (answered of asked, over all budgets):", ""]

@@ -72,14 +72,16 @@ def ratio_rows(systems: Sequence[dict[str, Any]], baseline: str) -> list[dict[st
 
 
 def provenance(command: list[str]) -> dict[str, Any]:
-    """The commit a report was made at, whether the tree was dirty (uncommitted changes), and the
-    command: every result JSON carries it."""
+    """The commit a report was made at, whether the tree was dirty (uncommitted changes; other
+    runs' new reports under bench/results do not count), and the command: every result JSON
+    carries it."""
 
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
         return done.stdout.strip()
 
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")), "command": command}
+    changes = [line for line in git("status", "--porcelain").splitlines() if not line.startswith("?? bench/results/")]
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(changes), "command": command}
 
 
 def write_json(paths: ReportPaths, report: dict[str, Any]) -> None:
