@@ -76,6 +76,7 @@ def plan_extend(
         indices, scores = _indices(state, group, index)
         compress = bool((seq_lens > budgets)[~partial].any())
         guided = state.guided(budgets, seq_lens)
+        room = budgets.double() / seq_lens.clamp(min=1).double()
         if guided is not None:
             guided &= ~partial
             waiting |= guided
@@ -85,6 +86,7 @@ def plan_extend(
                     staging.add(indices[c]),
                     staging.add(scores[c]),
                     budgets,
+                    room,
                     compress,
                     staging.add(None if prefix_rows is None else prefix_rows[group.first_column + c]),
                     staging.add(None if store_rows is None else store_rows[group.first_column + c]),
@@ -118,14 +120,14 @@ def plan_extend(
                 get(i),
                 get(sc),
                 budgets,
-                budgets.double() / seq_lens.clamp(min=1).double(),
+                room,
                 compress,
                 prefix_slots=get(p),
                 store_slots=get(st),
                 guided=guided,
                 work_slots=get(work_slots[place]) if work_slots else None,
             )
-            for i, sc, budgets, compress, p, st, guided, place in group_columns
+            for i, sc, budgets, room, compress, p, st, guided, place in group_columns
         )
         for group_columns in staged_columns
     )

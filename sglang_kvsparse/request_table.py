@@ -50,10 +50,9 @@ class RequestTable:
         phases = self.phase if rows is None else self.phase[rows]
         return phases == int(phase)
 
-    def running(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Which rows (all, or these) hold a request whose rows SGLang has allocated (bool, host)."""
-        phases = self.phase if rows is None else self.phase[rows]
-        return phases >= int(Phase.CHUNKED)
+    def running(self) -> torch.Tensor:
+        """Which rows hold a request whose rows SGLang has allocated (bool, host)."""
+        return self.phase >= int(Phase.CHUNKED)
 
     def running_rows(self) -> torch.Tensor:
         return torch.nonzero(self.running()).flatten()
