@@ -247,9 +247,9 @@ class Harness:
         with timed(GRAPH_FILL):
             self.graph_buffers.fill(plan)
         with timed("layers"):
-            for slot in state.layout.sparse_slots.values():
-                column = plan.column(slot)
-                sparse_decode(q, k, v, 0.088, plan, column, state.lanes[slot.lane], state.policy, positions)
+            for place in state.layout.layer_places.values():
+                column = plan.column(place)
+                sparse_decode(q, k, v, 0.088, plan, column, state.lanes[place.lane], state.policy, positions)
         for place, request in enumerate(requests):  # the harness's own bookkeeping
             request.length += 1
             request.ids.append(ids[place : place + 1])

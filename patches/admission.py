@@ -1,29 +1,30 @@
 """Admission with sparse layers (SGLang 0.5.23 prefill scheduling).
 
 AROUND `PrefillAdder.add_one_req`: SGLang asks this once per waiting request while it builds a
-prefill batch, one `PrefillAdder` per round. On the round's first call the previous forward is
-over (its evicted rows and pins are released) and the running requests' sparse growth is added to
-SGLang's budget (`admission.running_growth`). For each request the heap allocator's
-`request_slot_reserve`, which SGLang adds to the request's charge on every admission path, answers
-the sparse rows of the prefill SGLang is sizing while it decides (`allocator.kvsparse_charge`,
-`admission.prefill_charge`: a chunk before the prompt's last takes store rows, the last chunk
-the request's entries); a request reusing a cached prefix pins the prefix's store blocks first
-(unpinned if SGLang refuses it). AROUND `PrefillAdder.add_chunked_req` does the same for the
-next chunk of a chunked prompt; once a chunk before its prompt's last is admitted, no other
-request starts a chunk in that round (SGLang tracks one chunked request). A request that would
-reuse much more of a prompt admitted in the same round waits for the next round
-(`AddReqResult.OTHER`: SGLang stops adding for this round without marking the batch full). A
-request whose own setting would be one more than `max_distinct_settings` among the running and
-admitted ones sits this round out and stays first in the queue (`AddReqResult.CONTINUE`: SGLang
-goes on to the next request). A request refused for memory while this round's guided prefills
-hold rows that come back after their forward ends the round (`AddReqResult.OTHER`) instead of
-marking the batch full, so it is tried again next round rather than after a running request leaves.
-A fault in this per-request work fails the request alone (`patches/faults.py`).
+prefill batch, one `PrefillAdder` per round. On the round's first call the running requests' sparse
+growth is added to SGLang's budget (`admission.running_growth`); what the previous forward held went
+back when SGLang issued it (`attention.release_after_forward`, the one caller of `finish_forward`).
+For each request the heap allocator's `request_slot_reserve`, which SGLang adds to the request's
+charge on every admission path, answers the sparse rows of the prefill SGLang is sizing while it
+decides (`AdmissionRound.charge`, `admission.prefill_charge`: a chunk before the prompt's last
+takes store rows, the last chunk the request's entries); a request reusing a cached prefix pins the
+prefix's store blocks first (unpinned if the request is not admitted after all). AROUND
+`PrefillAdder.add_chunked_req` does the same for the next chunk of a chunked prompt; once a chunk
+before its prompt's last is admitted, no other request starts a chunk in that round (SGLang tracks
+one chunked request). A request that would reuse much more of a prompt admitted in the same round
+waits for the next round (`AddReqResult.OTHER`: SGLang stops adding for this round without marking
+the batch full). A request whose own setting would be one more than `max_distinct_settings` among
+the running and admitted ones sits this round out and stays first in the queue
+(`AddReqResult.CONTINUE`: SGLang goes on to the next request). A request refused for memory while
+this round's guided prefills hold rows that come back after their forward ends the round
+(`AddReqResult.OTHER`) instead of marking the batch full, so it is tried again next round rather
+than after a running request leaves. A fault in this per-request work fails the request alone
+(`patches/faults.py`).
 
-AFTER `ReqToTokenPool.alloc` (`expect_rows`): when SGLang gives admitted requests their rows, the
-state learns how long each may grow, so that only requests that will evict get score rows,
-how long its prefill is, so that a shorter allocation is known to be a chunk, and the request's
-own sparsity setting (`custom_params`, `request_sparsity.py`), which every charge above uses too.
+AFTER `ReqToTokenPool.alloc` (`expect_lengths`): when SGLang gives admitted requests their indices,
+the state learns how long each may grow, so that only requests that will evict get score rows, how
+long its prefill is, so that a shorter allocation is known to be a chunk, and the request's own
+sparsity setting (`custom_params`, `request_sparsity.py`), which every charge above uses too.
 """
 
 from __future__ import annotations
@@ -40,8 +41,6 @@ from sglang_kvsparse.request_sparsity import SERVER_GROUPING, RequestSparsity, o
 
 from . import context, faults
 
-_ROUND = "_kvsparse_admission"
-
 
 def final_len(req: Any, context_len: int, clip: int = CLIP_MAX_NEW_TOKENS) -> int:
     """The length a request may reach: its tokens so far plus its remaining max_new_tokens
@@ -53,8 +52,8 @@ def final_len(req: Any, context_len: int, clip: int = CLIP_MAX_NEW_TOKENS) -> in
     return min(held + min(max(max_new - len(req.output_ids), 0), clip), context_len)
 
 
-def expect_rows(result: Any, pool: Any, reqs: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER hook: requests got their rows; tell the state the most each may grow to (unclipped:
+def expect_lengths(result: Any, pool: Any, reqs: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook: requests got their indices; tell the state the most each may grow to (unclipped:
     a request that might evict must keep scores)."""
     if result is None:
         return
@@ -79,21 +78,20 @@ def fill_len(req: Any) -> int:
 
 
 @contextmanager
-def charging(adder: Any, req: Any) -> Iterator[None]:
+def charging(round_: AdmissionRound, req: Any) -> Iterator[None]:
     """While SGLang sizes a prefill of `req`, the allocator's reserve includes its sparse rows."""
     state = context.state()
     fill, final = fill_len(req), final_len(req, state.resolved.context_len)
-    budget = setting(req).row_budget(state.resolved)
+    budget = setting(req).own_budget(state.resolved)
 
     def charge(end: int) -> int:
         return prefill_charge(state, req.prefix_len, end, fill, final, budget)
 
-    allocator = adder.token_to_kv_pool_allocator
-    allocator.kvsparse_charge = charge
+    round_.charge = charge
     try:
         yield
     finally:
-        allocator.kvsparse_charge = None
+        round_.charge = None
 
 
 def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -101,7 +99,7 @@ def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any
     if faults.sits_out(req):
         return AddReqResult.CONTINUE
     state = context.state()
-    round_ = adder.__dict__.get(_ROUND) or _start_round(adder)
+    round_ = context.admission_round(adder) or _start_round(adder)
     token_ids, prefix = (), None
     if req.to_finish is None:  # one SGLang aborts prefills a single token: nothing to check or pin
         if _one_setting_too_many(adder, req):
@@ -116,12 +114,14 @@ def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any
                 state.pin_prefix(prefix)
             faults.inject("admission", req)
         if faults.sits_out(req):
-            return AddReqResult.CONTINUE  # its pins go at the next round's start (`finish_forward`)
+            if prefix is not None:
+                state.unpin_prefix(prefix)
+            return AddReqResult.CONTINUE
     admitted_before = len(adder.can_run_list)
-    with charging(adder, req):
+    with charging(round_, req):
         result = original(adder, req, *args, **kwargs)
     if len(adder.can_run_list) > admitted_before:
-        budget = setting(req).row_budget(state.resolved)
+        budget = setting(req).own_budget(state.resolved)
         round_.admitted(token_ids, prefill_guide_rows(state, req.prefix_len, req.extend_end, fill_len(req), budget))
         if adder.new_chunked_req is req:
             _spend_chunk_budget(adder)
@@ -151,14 +151,14 @@ def admit_chunk(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) 
     round, whether this chunk was admitted or refused for memory: SGLang tracks one chunked
     request, and a new one beside a refused continuation fails its `chunked_req is None` assertion
     (stock's charge always fits a continuation; the sparse charge may not, until rows free)."""
-    round_ = adder.__dict__.get(_ROUND) or _start_round(adder)
-    with charging(adder, req):
+    round_ = context.admission_round(adder) or _start_round(adder)
+    with charging(round_, req):
         result = original(adder, req, *args, **kwargs)
     if result is not None:
         _spend_chunk_budget(adder)
     elif req in adder.can_run_list:  # its last chunk: a guided one holds rows for its forward
         state = context.state()
-        budget = setting(req).row_budget(state.resolved)
+        budget = setting(req).own_budget(state.resolved)
         round_.admitted((), prefill_guide_rows(state, req.prefix_len, req.extend_end, fill_len(req), budget))
     return result
 
@@ -175,17 +175,16 @@ def _spend_chunk_budget(adder: Any) -> None:
 
 def _start_round(adder: Any) -> AdmissionRound:
     state = context.state()
-    state.finish_forward()  # the previous step's forward has been issued
     running = [] if adder.running_batch is None else adder.running_batch.reqs
     context_len = state.resolved.context_len
-    rows = [
+    growing = [
         (r.kv.req_pool_idx, final_len(r, context_len), 1.0 if r.sampling_params.ignore_eos else adder.new_token_ratio)
         for r in running
         if r.kv.req_pool_idx is not None
     ]
-    adder.memory_budget.total_offset += running_growth(state, rows)
+    adder.memory_budget.total_offset += running_growth(state, growing)
     round_ = AdmissionRound()
-    setattr(adder, _ROUND, round_)
+    context.start_round(adder, round_)
     return round_
 
 

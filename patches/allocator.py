@@ -29,7 +29,6 @@ pinned, non-blocking copy). A decode step then never reads a device value for it
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +37,8 @@ from sglang_kvsparse.admission import prefill_peak_rows, rows_for_next_decode
 from sglang_kvsparse.device_copy import upload
 from sglang_kvsparse.layout import round_up
 from sglang_kvsparse.sparse_state import SparseState
+
+from . import context
 
 
 class HostFreeList:
@@ -147,9 +148,6 @@ def heap_allocator_class(base: type) -> type:
     class KVSparseHeapAllocator(base):
         kvsparse_state: SparseState
         kvsparse_rows: RawHeapRows
-        #: Sparse rows a prefill of the request being admitted now takes, by the prefill's end
-        #: (prefix + extend tokens); set by `patches/admission.py` while SGLang decides.
-        kvsparse_charge: Callable[[int], int] | None = None
 
         def available_size(self) -> int:
             state = self.kvsparse_state
@@ -206,11 +204,11 @@ def heap_allocator_class(base: type) -> type:
 
         def request_slot_reserve(self, *, has_req_pool_slot: bool, prefill_tokens: int = 0) -> int:
             stock = super().request_slot_reserve(has_req_pool_slot=has_req_pool_slot, prefill_tokens=prefill_tokens)
-            return stock + (self.kvsparse_charge(prefill_tokens) if self.kvsparse_charge else 0)
+            return stock + context.prefill_charge(prefill_tokens)
 
         def check_decode_capacity(self, *, num_tokens: int, tree_cache, requests=None, spec_algorithm=None) -> bool:
-            rows = [r.kv.req_pool_idx for r in requests or () if r.kv.req_pool_idx is not None]
-            need = num_tokens + rows_for_next_decode(self.kvsparse_state, rows)
+            req_indices = [r.kv.req_pool_idx for r in requests or () if r.kv.req_pool_idx is not None]
+            need = num_tokens + rows_for_next_decode(self.kvsparse_state, req_indices)
             self.evict_to_free_tokens(tree_cache, need)
             return self.available_size() >= need
 

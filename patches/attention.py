@@ -6,7 +6,7 @@ device among them) with a factory that wraps the stock backend in `KVSparseBacke
 layers go to the stock backend unchanged; sparse layers read and write their own rows of the
 heap's lanes (`SparseState.lanes`) through `sglang_kvsparse.sparse_attention`. The forward's plan
 is built once per step in `init_forward_metadata` (`sglang_kvsparse.planning`) from host data
-only (the request rows from SGLang's host copy, which `with_host_rows` keeps for decode batches
+only (the request indices from SGLang's host copy, which `with_host_indices` keeps for decode batches
 too), and a decode step's evictions run there, in every sparse layer at once (`prepare_decode`).
 Once SGLang has issued the whole forward (`release_after_forward`, after `_forward_raw`), the state
 releases what the step's evictions and prefix reads held: outside the layers, so a captured graph
@@ -51,10 +51,10 @@ class KVSparseBackend(AttentionBackend):
         self.kv_cache_dtype = inner.kv_cache_dtype
         self._plan: ForwardPlan | MixedPlan | None = None
         self._guide: PrefillGuide | None = None
-        self._last_sparse_layer = max(state.layout.sparse_slots, default=-1)
+        self._last_sparse_layer = max(state.layout.layer_places, default=-1)
         self._graph_buffers: DecodeBuffers | None = None
-        #: The request rows of the decode step about to replay (`graph_execute`).
-        self.replay_rows: list[int] | None = None
+        #: The request indices of the decode step about to replay (`graph_execute`).
+        self.replay_requests: list[int] | None = None
 
     # Attributes the base class declares (so __getattr__ would never see them) but the inner
     # backend owns: forward them, so a translator bound to the wrapper reaches the inner one.
@@ -89,22 +89,22 @@ class KVSparseBackend(AttentionBackend):
         marks = self.state.sentence_marks
         if marks is not None:
             marks.record(forward_batch.out_cache_loc, forward_batch.input_ids)
-        rows = self._rows(forward_batch)
+        req_indices = self._req_indices(forward_batch)
         device = self.state.lanes[0].k.device
         if mode.is_decode():
-            self._plan = self._plan_decode(rows, device)
+            self._plan = self._plan_decode(req_indices, device)
         elif mode.is_extend() and not mode.is_target_verify():
-            # SGLang runs a mixed batch (prefills, then running rows' decode tokens) as an extend.
-            decoding = self.state.requests.is_(Phase.DECODING, rows)
+            # SGLang runs a mixed batch (prefills, then running requests' decode tokens) as an extend.
+            decoding = self.state.requests.is_(Phase.DECODING, req_indices)
             prefilling = int((~decoding).sum())
             if bool(decoding[:prefilling].any()):
-                raise NotImplementedError("kvsparse: a mixed batch whose decoding rows do not follow its prefills")
-            extend = self._plan_extend(forward_batch, rows[:prefilling], device)
-            if prefilling == len(rows):
+                raise NotImplementedError("kvsparse: a mixed batch whose decoding requests do not follow its prefills")
+            extend = self._plan_extend(forward_batch, req_indices[:prefilling], device)
+            if prefilling == len(req_indices):
                 self._plan = extend
             else:
                 tokens = sum(int(n) for n in forward_batch.extend_seq_lens_cpu[:prefilling])
-                self._plan = MixedPlan(extend, self._plan_decode(rows[prefilling:], device), tokens)
+                self._plan = MixedPlan(extend, self._plan_decode(req_indices[prefilling:], device), tokens)
             self._guide = self._prefill_guide(extend)
         else:
             raise NotImplementedError(f"kvsparse: forward mode {mode} is not supported with sparse layers")
@@ -122,18 +122,18 @@ class KVSparseBackend(AttentionBackend):
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
         """Before capturing a decode step of `batch_size` requests: the plan over the buffers.
-        Before replaying one: its real requests (`replay_rows`, the first `batch_size -
+        Before replaying one: its real requests (`replay_requests`, the first `batch_size -
         num_padding`) planned from the host tables, their evictions run, the buffers filled."""
         self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
         self._guide = None
         if not in_capture:
-            rows, self.replay_rows = self.replay_rows, None
-            if rows is None or len(rows) != forward_batch.batch_size - forward_batch.num_padding:
-                raise RuntimeError("kvsparse: a decode graph replay without its requests' rows")
+            req_indices, self.replay_requests = self.replay_requests, None
+            if req_indices is None or len(req_indices) != forward_batch.batch_size - forward_batch.num_padding:
+                raise RuntimeError("kvsparse: a decode graph replay without its requests' indices")
             marks = self.state.sentence_marks
             if marks is not None:
-                marks.record(forward_batch.out_cache_loc, forward_batch.input_ids[: len(rows)])
-            self._graph_buffers.fill(self._plan_decode(rows, self.state.lanes[0].k.device))
+                marks.record(forward_batch.out_cache_loc, forward_batch.input_ids[: len(req_indices)])
+            self._graph_buffers.fill(self._plan_decode(req_indices, self.state.lanes[0].k.device))
         self._plan = self._graph_buffers.plan(forward_batch.batch_size)
 
     def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
@@ -145,24 +145,24 @@ class KVSparseBackend(AttentionBackend):
     def can_replay(self, forward_batch: Any) -> bool:
         """Whether a decode step of this batch can replay a captured graph: not when a request
         scores with a policy of its own (the graph scores with the server's); counted."""
-        rows = self._rows(forward_batch)
-        if any(self.state.requests.policy[row] is not None for row in rows):
+        req_indices = self._req_indices(forward_batch)
+        if any(self.state.requests.policy[req_idx] is not None for req_idx in req_indices):
             self.state.counters.eager_decode_steps += 1
             return False
         return True
 
-    def _rows(self, forward_batch: Any) -> list[int]:
-        """The batch's request rows, from SGLang's host copy. Without one (a path that gives a
+    def _req_indices(self, forward_batch: Any) -> list[int]:
+        """The batch's request indices, from SGLang's host copy. Without one (a path that gives a
         forward none) they are read from the device: counted, as it makes the host wait."""
-        rows = forward_batch.req_pool_indices_cpu
-        if rows is None:
+        req_indices = forward_batch.req_pool_indices_cpu
+        if req_indices is None:
             self.state.counters.host_syncs += 1
-            rows = forward_batch.req_pool_indices
-        return rows.tolist()
+            req_indices = forward_batch.req_pool_indices
+        return req_indices.tolist()
 
-    def _plan_decode(self, rows: list[int], device: Any) -> ForwardPlan:
-        """The decode plan of these rows, its evictions already run in every sparse layer."""
-        return prepare_decode(self.state, rows, device)
+    def _plan_decode(self, req_indices: list[int], device: Any) -> ForwardPlan:
+        """The decode plan of these requests, its evictions already run in every sparse layer."""
+        return prepare_decode(self.state, req_indices, device)
 
     def _prefill_guide(self, plan: ForwardPlan) -> PrefillGuide | None:
         """A guide for this prefill when the configuration names guide layers and some sparse
@@ -174,14 +174,14 @@ class KVSparseBackend(AttentionBackend):
             return PrefillGuide(guide_layers)
         return None
 
-    def _plan_extend(self, forward_batch: Any, rows: list[int], device: Any) -> ForwardPlan:
-        """The prefill plan of the batch's first len(rows) requests."""
-        prefix_lens = [int(n) for n in forward_batch.extend_prefix_lens_cpu[: len(rows)]]
-        extend_lens = [int(n) for n in forward_batch.extend_seq_lens_cpu[: len(rows)]]
+    def _plan_extend(self, forward_batch: Any, req_indices: list[int], device: Any) -> ForwardPlan:
+        """The prefill plan of the batch's first len(req_indices) requests."""
+        prefix_lens = [int(n) for n in forward_batch.extend_prefix_lens_cpu[: len(req_indices)]]
+        extend_lens = [int(n) for n in forward_batch.extend_seq_lens_cpu[: len(req_indices)]]
         table = self.req_to_token_pool.req_to_token
-        prefix_ids = [table[row, :n] for row, n in zip(rows, prefix_lens)]
+        prefix_ids = [table[req_idx, :n] for req_idx, n in zip(req_indices, prefix_lens)]
         new_ids = forward_batch.out_cache_loc[: sum(extend_lens)]
-        plan = plan_extend(self.state, rows, prefix_lens, extend_lens, prefix_ids, new_ids, device)
+        plan = plan_extend(self.state, req_indices, prefix_lens, extend_lens, prefix_ids, new_ids, device)
         marks = self.state.sentence_marks
         if marks is None:
             return plan
@@ -195,13 +195,13 @@ class KVSparseBackend(AttentionBackend):
         if not self.state.layout.is_sparse(layer.layer_id):
             return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        slot = self.state.layout.sparse_slots[layer.layer_id]
-        lane, policy = self.state.lanes[slot.lane], self.state.policy
+        place = self.state.layout.layer_places[layer.layer_id]
+        lane, policy = self.state.lanes[place.lane], self.state.policy
         if isinstance(self._plan, MixedPlan):
             plan, positions = self._plan, forward_batch.positions
-            o = sparse_mixed(q3, k, v, layer.scaling, plan, slot, lane, policy, positions, layer.layer_id, self._guide)
+            o = sparse_mixed(q3, k, v, layer.scaling, plan, place, lane, policy, positions, layer.layer_id, self._guide)
         else:
-            column = self._plan.column(slot)
+            column = self._plan.column(place)
             o = sparse_extend(q3, k, v, layer.scaling, self._plan, column, lane, policy, layer.layer_id, self._guide)
         self._after_sparse_layer(layer.layer_id)
         return o.reshape(q3.shape[0], -1)
@@ -210,10 +210,10 @@ class KVSparseBackend(AttentionBackend):
         if not self.state.layout.is_sparse(layer.layer_id):
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        slot = self.state.layout.sparse_slots[layer.layer_id]
-        lane, policy = self.state.lanes[slot.lane], self.state.policy
+        place = self.state.layout.layer_places[layer.layer_id]
+        lane, policy = self.state.lanes[place.lane], self.state.policy
         o = sparse_decode(
-            q3, k, v, layer.scaling, self._plan, self._plan.column(slot), lane, policy, forward_batch.positions
+            q3, k, v, layer.scaling, self._plan, self._plan.column(place), lane, policy, forward_batch.positions
         )
         self._after_sparse_layer(layer.layer_id)
         return o.reshape(q3.shape[0], -1)
@@ -236,15 +236,15 @@ def graph_can_run(original: Callable[..., bool], runner: Any, forward_batch: Any
 
 def graph_execute(original: Callable[..., Any], runner: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND `DecodeCudaGraphRunner.execute`: the replay's planning (`init_forward_metadata_out_graph`,
-    which SGLang calls with a padded view of the batch) learns the real batch's request rows."""
+    which SGLang calls with a padded view of the batch) learns the real batch's request indices."""
     backend = runner.attn_backend
     if isinstance(backend, KVSparseBackend):
-        backend.replay_rows = backend._rows(forward_batch)
+        backend.replay_requests = backend._req_indices(forward_batch)
     return original(runner, forward_batch, *args, **kwargs)
 
 
-def with_host_rows(forward_batch: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER `ForwardBatch.init_new`: SGLang hands a forward its request rows on the host for
+def with_host_indices(forward_batch: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER `ForwardBatch.init_new`: SGLang hands a forward its request indices on the host for
     extends only, while the scheduler's batch keeps them for decodes too: keep them, so the plan
     never reads them back from the device."""
     if forward_batch.req_pool_indices_cpu is None:
@@ -290,5 +290,5 @@ __all__ = [
     "install",
     "installed",
     "release_after_forward",
-    "with_host_rows",
+    "with_host_indices",
 ]

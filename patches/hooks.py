@@ -19,8 +19,8 @@ POOL_CLASS = f"{_CONFIGURATOR}._resolve_kv_pool_class"
 ALLOC_MEMORY_POOL = "sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool"
 #: AROUND: admission charges the sparse entries and pins a hit's prefix (`admission.admit`).
 ADD_ONE_REQ = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
-#: AFTER: requests given their rows tell the state how long they may grow (`admission.expect_rows`).
-REQ_ROWS = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc"
+#: AFTER: requests given their indices tell the state how long they may grow (`admission.expect_lengths`).
+REQ_ALLOC = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool.alloc"
 #: AROUND: a radix match is cut to what the prefix store can serve (`prefix.cap_match`).
 MATCH_KV_CACHE = "sglang.srt.mem_cache.common.match_kv_cache"
 #: AROUND: the next chunk of a chunked prompt is charged its sparse rows (`admission.admit_chunk`).
@@ -39,14 +39,14 @@ CREATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create
 INTERNAL_STATE = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
 )
-#: AFTER: a decode forward keeps the scheduler's host copy of its request rows (`attention.with_host_rows`).
+#: AFTER: a decode forward keeps the scheduler's host copy of its request indices (`attention.with_host_indices`).
 FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 #: AFTER: the issued forward's evicted rows and prefix pins go back (`attention.release_after_forward`).
 FORWARD_RAW = "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw"
 _GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
 #: AROUND: a decode step replays a captured graph only where the sparse layers can (`attention.graph_can_run`).
 GRAPH_CAN_RUN = f"{_GRAPH_RUNNER}.can_run_graph"
-#: AROUND: a replay's planning learns the real batch's request rows (`attention.graph_execute`).
+#: AROUND: a replay's planning learns the real batch's request indices (`attention.graph_execute`).
 GRAPH_EXECUTE = f"{_GRAPH_RUNNER}.execute"
 #: AFTER: SGLang's metrics logging sets the sparse gauges too (`observability.set_gauges`).
 LOG_STATS = "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector.log_stats"
@@ -57,7 +57,7 @@ ALL: tuple[str, ...] = (
     POOL_CLASS,
     ALLOC_MEMORY_POOL,
     ADD_ONE_REQ,
-    REQ_ROWS,
+    REQ_ALLOC,
     MATCH_KV_CACHE,
     ADD_CHUNKED_REQ,
     SELECT_PREFILL,

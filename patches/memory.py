@@ -214,7 +214,7 @@ def log_layout(config: SparsityConfig, layout: HeapLayout, lane: LaneBuffers, ro
 def check_heap(layout: HeapLayout, rows: int) -> None:
     """Refuse a KV budget in which no request can outgrow its budget, the server's or the
     largest one a request may ask for."""
-    longest = max((layout.widest_row(group) for group in layout.groups), default=0) + 1
+    longest = max((layout.widest_request(group) for group in layout.groups), default=0) + 1
     need = max(layout.rows_held(longest), layout.rows_held(longest, layout.request_cap)) + layout.page_size
     if rows < need:
         raise KVSparseStartupError(

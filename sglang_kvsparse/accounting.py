@@ -64,12 +64,12 @@ def footprint_table(
     ]
 
 
-def format_footprint_table(rows: Sequence[FootprintRow]) -> str:
+def format_footprint_table(lines: Sequence[FootprintRow]) -> str:
     """Start-up log text, one line per length: bytes, and requests per stock request at equal bytes."""
     return "\n".join(
-        f"{row.seq_len} tokens: {human_bytes(row.kv_bytes)} vs {human_bytes(row.dense_bytes)} dense "
-        f"({row.ratio:.1%}; {1 / row.ratio:.2f}x the requests)"
-        for row in rows
+        f"{line.seq_len} tokens: {human_bytes(line.kv_bytes)} vs {human_bytes(line.dense_bytes)} dense "
+        f"({line.ratio:.1%}; {1 / line.ratio:.2f}x the requests)"
+        for line in lines
     )
 
 

@@ -26,7 +26,7 @@ chunk; the wait also covers shorter ones.)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -38,13 +38,13 @@ SHARED_PREFIX_WAIT_TOKENS = 256
 
 def rows_to_hold(state: SparseState, final_len: int, budget: int = 0) -> int:
     """Most heap rows a request reaching `final_len` tokens holds in the sparse columns
-    (`budget`: its own, `RequestSparsity.row_budget`; 0 for the groups')."""
+    (`budget`: its own, `RequestSparsity.own_budget`; 0 for the groups')."""
     return sum(state.layout.sparse_rows(group.spec, final_len, budget) for group in state.groups)
 
 
-def row_rows_to_hold(state: SparseState, row: int, final_len: int) -> int:
-    """`rows_to_hold` of the request in `row`, at its own budget."""
-    return rows_to_hold(state, final_len, int(state.requests.budget[row]))
+def request_rows_to_hold(state: SparseState, req_idx: int, final_len: int) -> int:
+    """`rows_to_hold` of the request at `req_idx`, at its own budget."""
+    return rows_to_hold(state, final_len, int(state.requests.budget[req_idx]))
 
 
 def prefill_peak_rows(state: SparseState, prompt_len: int, chunk_size: int | None, budget: int = 0) -> int:
@@ -91,10 +91,10 @@ def waits_for_guide(state: SparseState, seq_len: int, budget: int = 0) -> bool:
     return False
 
 
-def rows_for_next_decode(state: SparseState, rows: list[int]) -> int:
-    """Fresh heap rows the next decode step of `rows` takes in the sparse columns (the rows an
-    eviction frees come back only after the forward, so they are not netted)."""
-    index = torch.tensor(rows, dtype=torch.int64)
+def rows_for_next_decode(state: SparseState, req_indices: list[int]) -> int:
+    """Fresh heap rows the next decode step of these requests takes in the sparse columns (the
+    rows an eviction frees come back only after the forward, so they are not netted)."""
+    index = torch.tensor(req_indices, dtype=torch.int64)
     total = 0
     for group in state.groups:
         held = group.table.lengths[index]
@@ -104,10 +104,11 @@ def rows_for_next_decode(state: SparseState, rows: list[int]) -> int:
 
 
 def running_growth(state: SparseState, running: Iterable[tuple[int, int, float]]) -> float:
-    """Sparse rows the running requests (row, final length, SGLang's ratio for it) may still take."""
+    """Sparse rows the running requests (request index, final length, SGLang's ratio for it) may
+    still take."""
     return sum(
-        ratio * max(row_rows_to_hold(state, row, final_len) - state.rows_held(row), 0)
-        for row, final_len, ratio in running
+        ratio * max(request_rows_to_hold(state, req_idx, final_len) - state.rows_held(req_idx), 0)
+        for req_idx, final_len, ratio in running
     )
 
 
@@ -128,6 +129,9 @@ class AdmissionRound:
     def __init__(self) -> None:
         self._prompts: list[Sequence[int]] = []
         self.transient_rows = 0
+        #: While SGLang decides on one request: the sparse rows its prefill takes, by the
+        #: prefill's end (prefix + extend tokens); what the heap allocator adds to SGLang's charge.
+        self.charge: Callable[[int], int] | None = None
 
     def should_wait(self, token_ids: Sequence[int], prefix_len: int) -> bool:
         """Whether the request is better prefilled next round, when a prompt admitted in this

@@ -16,21 +16,21 @@ import torch
 
 
 class AuxCache(Protocol):
-    """A side table SGLang keeps in step with its request rows (`ReqToTokenPool`)."""
+    """A side table SGLang keeps in step with its requests (`ReqToTokenPool`, by request index)."""
 
     #: Tokens the scheduler may plan with (`ReqToTokenPool.schedulable_token_capacity`).
     dense_capacity: int
 
     def alloc_to_lengths(self, *, req_pool_indices_cpu: torch.Tensor, target_seq_lens_cpu: torch.Tensor) -> None:
-        """Rows grow to the target lengths: a new row after its prefill's allocation, a running
-        one by a decode token. Called after SGLang allocated the rows' full-pool ids; if this
+        """Requests grow to the target lengths: a new one after its prefill's allocation, a running
+        one by a decode token. Called after SGLang allocated their full-pool ids; if this
         raises, SGLang frees those ids and re-raises, so it must change nothing when it fails."""
 
-    def free(self, row: int) -> None:
-        """The request in `row` finished, was aborted or retracted: release what it holds."""
+    def free(self, req_idx: int) -> None:
+        """The request at `req_idx` finished, was aborted or retracted: release what it holds."""
 
     def clear(self) -> None:
-        """Every request row is released (SGLang's flush, or its pools' clear)."""
+        """Every request is released (SGLang's flush, or its pools' clear)."""
 
     def reset_allocator(self) -> None:
         """SGLang reset its token allocator: nothing handed out before is held any more."""

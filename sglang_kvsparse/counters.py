@@ -18,7 +18,7 @@ class Counters:
     #: Allocations that waited for SGLang's frees to reach the host (memory was short at once).
     release_waits: int = 0
     requests_running_peak: int = 0
-    #: Device values the sparse path read back (each a host wait on a GPU): request rows SGLang
+    #: Device values the sparse path read back (each a host wait on a GPU): request indices SGLang
     #: gave a forward no host copy of.
     host_syncs: int = 0
     #: Decode steps that ran eagerly where a captured graph could not serve them (a request

@@ -70,7 +70,7 @@ class GroupSpec:
 
 
 @dataclass(frozen=True)
-class SparseSlot:
+class LayerPlace:
     """Where one sparse layer lives: its group, its column in the group and its lane."""
 
     group: int
@@ -86,7 +86,7 @@ class HeapLayout:
     lanes: int
     full_layers: tuple[int, ...]
     groups: tuple[GroupSpec, ...]
-    sparse_slots: dict[int, SparseSlot]
+    layer_places: dict[int, LayerPlace]
     page_size: int
     scores_per_row: int
     evict_page: int = 1
@@ -112,7 +112,7 @@ class HeapLayout:
             score_rows = _score_rows(max_entries, scores_per_row, page_size)
             groups.append(GroupSpec(index, budget, max_entries, tuple(columns), score_rows))
         slots = {
-            layer: SparseSlot(group.index, c, lane)
+            layer: LayerPlace(group.index, c, lane)
             for group in groups
             for c, column in enumerate(group.columns)
             for lane, layer in enumerate(column.layers)
@@ -132,7 +132,7 @@ class HeapLayout:
 
     # -- queries ---------------------------------------------------------------------------
     def is_sparse(self, layer: int) -> bool:
-        return layer in self.sparse_slots
+        return layer in self.layer_places
 
     @property
     def num_columns(self) -> int:
@@ -167,7 +167,7 @@ class HeapLayout:
         whole pages) and its sparse rows in every group (`budget`: its own, 0 for the groups')."""
         return round_up(seq_len, self.page_size) + sum(self.sparse_rows(g, seq_len, budget) for g in self.groups)
 
-    def widest_row(self, group: GroupSpec) -> int:
+    def widest_request(self, group: GroupSpec) -> int:
         """Most entries any request holds in the group: its own or the largest request budget's."""
         return max(group.max_entries, self.max_entries(group, self.request_cap))
 
@@ -220,7 +220,7 @@ __all__ = [
     "Column",
     "GroupSpec",
     "HeapLayout",
-    "SparseSlot",
+    "LayerPlace",
     "capacity_ratio",
     "heap_rows",
     "round_up",

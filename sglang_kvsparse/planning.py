@@ -1,9 +1,11 @@
 """Forward plans: what one step's sparse layers read and write, built from the `SparseState`.
 
-The attention backend (`patches/attention.py`) builds a plan once per forward in
-`init_forward_metadata`, after SGLang allocated the step's rows (`SparseState.alloc_to_lengths`),
-and every sparse layer then takes its column's `ColumnPlan` (`ForwardPlan.column`). Index
-tensors are built with batched tensor operations on the host tables, then moved to the device.
+The attention backend (`patches/attention.py`) plans once per forward in `init_forward_metadata`,
+after SGLang allocated the step's tokens (`SparseState.alloc_to_lengths`): first the forward's
+state changes (`forward_step.begin_extend` / `begin_decode`), then its plan (`build_extend` /
+`build_decode`), which only reads the state's tables and brings their device mirrors up to date.
+Every sparse layer then takes its column's `ColumnPlan` (`ForwardPlan.column`). Index tensors are
+built with batched tensor operations on the host tables, then moved to the device in one copy.
 No SGLang imports.
 """
 
@@ -14,72 +16,55 @@ from collections.abc import Callable, Sequence
 import torch
 
 from sglang_kvsparse.device_copy import upload
+from sglang_kvsparse.entry_table import HeapError
+from sglang_kvsparse.forward_step import EvictingRequests, ExtendStep, begin_decode, begin_extend, indptr, ranges
 from sglang_kvsparse.plans import ColumnPlan, DecodeTables, Eviction, ForwardPlan, PolicyGroup
 from sglang_kvsparse.policies import ScoringPolicy
-from sglang_kvsparse.request_table import Phase
-from sglang_kvsparse.row_table import HeapError
 from sglang_kvsparse.sparse_group import SparseGroup
 from sglang_kvsparse.sparse_state import SparseState
 
 
 def plan_extend(
     state: SparseState,
-    rows: Sequence[int],
+    req_indices: Sequence[int],
     prefix_lens: Sequence[int],
     extend_lens: Sequence[int],
     prefix_ids: Sequence[torch.Tensor] = (),
     new_ids: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
 ) -> ForwardPlan:
-    """Plan a prefill: every row keeps min(length, its budget) entries of its whole sequence (cached
-    prefix + new tokens), but for a chunk before its prompt's last (phase `CHUNKED`),
-    which keeps none and stores its tokens.
+    """A prefill forward: its state changes (`begin_extend`), then its plan (`build_extend`)."""
+    return build_extend(state, begin_extend(state, req_indices, prefix_lens, extend_lens, prefix_ids, new_ids), device)
 
-    With the prefix store, `prefix_ids` (per row, SGLang's full-pool ids of its matched prefix)
-    and `new_ids` (the batch's new tokens' ids, request-major) are required: the prefixes' store
-    rows are looked up (pinned at admission or held since the previous chunk, so they are there),
-    a chunk's tokens are stored (admission charged their rows) and the other new tokens get store
-    rows where the heap has room. The plan's index tensors travel in one non-blocking copy.
-    """
-    prefix_lens = [int(n) for n in prefix_lens]
-    extend_lens = [int(n) for n in extend_lens]
-    if any(prefix_lens) and state.store is None:
-        raise HeapError("an extend with a cached prefix reached the sparse layers without a prefix store")
-    index = torch.tensor(list(rows), dtype=torch.int64)
-    partial = state.requests.is_(Phase.CHUNKED, index)
-    hits = [n for n, row in zip(prefix_lens, rows) if n and not state.continues_chunks(int(row))]
-    state.counters.forward_plans += 1
-    state.counters.chunks_stored += int(partial.sum())
-    state.counters.prefix_hits += len(hits)
-    state.counters.prefix_tokens_reused += sum(hits)
-    prefix = torch.tensor(prefix_lens, dtype=torch.int64)
-    extend = torch.tensor(extend_lens, dtype=torch.int64)
-    seq_lens = prefix + extend
-    prefix_rows = store_rows = store_positions = None
-    if state.store is not None:
-        if new_ids is None or len(prefix_ids) != len(index):
-            raise HeapError("a prefill with the prefix store needs every row's prefix ids and the new ids")
-        prefix_rows, store_rows, store_positions = _use_store(state, index, prefix_ids, new_ids, extend)
-    elif bool(partial.any()):
-        raise HeapError("a chunked prefill reached the sparse layers without a prefix store")
+
+def plan_decode(state: SparseState, req_indices: Sequence[int], device: torch.device | str = "cpu") -> ForwardPlan:
+    """A decode step: its state changes (`begin_decode`), then its plan (`build_decode`)."""
+    return build_decode(state, req_indices, begin_decode(state, req_indices), device)
+
+
+def build_extend(state: SparseState, step: ExtendStep, device: torch.device | str = "cpu") -> ForwardPlan:
+    """Plan a prefill: every request keeps min(length, its budget) entries of its whole sequence
+    (cached prefix + new tokens), but for a chunk before its prompt's last (`step.partial`), which
+    keeps none and stores its tokens; a request some group keeps by the guide reads its new
+    tokens' K/V from the rows the step took (`step.work_rows`). The plan's index tensors travel in
+    one non-blocking copy."""
+    index, partial, extend, seq_lens = step.req_indices, step.partial, step.extend_lens, step.seq_lens
     staging = _Staging()
     writes = [staging.writes(group) for group in state.groups]
     staged_columns = []
-    waiting = torch.zeros(len(index), dtype=torch.bool)  # requests some group keeps by the guide
     for group in state.groups:
         budgets = state.budgets(group, index)
         kept = torch.where(partial, 0, torch.minimum(seq_lens, budgets))
         if not torch.equal(group.table.lengths[index], kept):
             raise HeapError(
-                f"sparse rows hold {group.table.lengths[index].tolist()} entries for a prefill keeping {kept.tolist()}"
+                f"the tables hold {group.table.lengths[index].tolist()} entries for a prefill keeping {kept.tolist()}"
             )
         indices, scores = _indices(state, group, index)
         compress = bool((seq_lens > budgets)[~partial].any())
         guided = state.guided(budgets, seq_lens)
-        room = budgets.double() / seq_lens.clamp(min=1).double()
         if guided is not None:
             guided &= ~partial
-            waiting |= guided
+        room = budgets.double() / seq_lens.clamp(min=1).double()
         staged_columns.append(
             [
                 (
@@ -88,29 +73,28 @@ def plan_extend(
                     budgets,
                     room,
                     compress,
-                    staging.add(None if prefix_rows is None else prefix_rows[group.first_column + c]),
-                    staging.add(None if store_rows is None else store_rows[group.first_column + c]),
+                    staging.add(None if step.prefix_rows is None else step.prefix_rows[group.first_column + c]),
+                    staging.add(None if step.store_rows is None else step.store_rows[group.first_column + c]),
                     guided,
                     group.first_column + c,
                 )
                 for c in range(group.columns)
             ]
         )
-    work_rows, work_positions = _guide_rows(state, waiting, extend)
-    at_qo = staging.add(_indptr(extend))
-    at_store = staging.add(store_positions)
+    at_qo = staging.add(indptr(extend))
+    at_store = staging.add(step.store_positions)
     policies = staging.policies(state, index)
     kept_positions = keeps = kv_indptr = prefix_positions = new_positions = None
     if bool(partial.any()):
-        kept_positions = staging.add(_ranges(_indptr(seq_lens)[:-1][~partial], seq_lens[~partial]))
+        kept_positions = staging.add(ranges(indptr(seq_lens)[:-1][~partial], seq_lens[~partial]))
         keeps = staging.add(~partial)
-    if any(prefix_lens):
-        starts = _indptr(seq_lens)[:-1]
-        kv_indptr = staging.add(_indptr(seq_lens))
-        prefix_positions = staging.add(_ranges(starts, prefix))
-        new_positions = staging.add(_ranges(starts + prefix, extend))
-    work_slots = [staging.add(rows) for rows in work_rows]
-    at_work = staging.add(work_positions)
+    if bool(step.prefix_lens.any()):
+        starts = indptr(seq_lens)[:-1]
+        kv_indptr = staging.add(indptr(seq_lens))
+        prefix_positions = staging.add(ranges(starts, step.prefix_lens))
+        new_positions = staging.add(ranges(starts + step.prefix_lens, extend))
+    work_slots = [staging.add(rows) for rows in step.work_rows]
+    at_work = staging.add(step.work_positions)
     get = staging.send(device)
     for group, write in zip(state.groups, writes):
         _apply_writes(group, write, get)
@@ -125,17 +109,12 @@ def plan_extend(
                 prefix_slots=get(p),
                 store_slots=get(st),
                 guided=guided,
-                work_slots=get(work_slots[place]) if work_slots else None,
+                work_slots=get(work_slots[column]) if work_slots else None,
             )
-            for i, sc, budgets, room, compress, p, st, guided, place in group_columns
+            for i, sc, budgets, room, compress, p, st, guided, column in group_columns
         )
         for group_columns in staged_columns
     )
-    state.requests.phase[index[~partial]] = Phase.DECODING
-    state.counters.scoring_passes_peak = max(state.counters.scoring_passes_peak, len(policies) or 1)
-    # The store took its rows: top the host free list up again to what the running requests'
-    # decode steps will take (as the prefill's allocation did), so none waits on the device.
-    state.heap.reserve(state.decode_reserve())
     return ForwardPlan(
         get(at_qo),
         columns,
@@ -150,21 +129,6 @@ def plan_extend(
         work_positions=get(at_work),
         policy_groups=tuple(PolicyGroup(policy, get(r), get(m)) for policy, r, m in policies),
     )
-
-
-def _guide_rows(
-    state: SparseState, waiting: torch.Tensor, extend: torch.Tensor
-) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """(per sparse column, the heap rows [n] the new tokens of the `waiting` requests (host [B])
-    wait in until the guide has chosen; their positions [n] among the batch's new tokens). The
-    rows go back once the forward has been issued; admission charged them (`prefill_charge`)."""
-    if not bool(waiting.any()):
-        return [], None
-    positions = _ranges(_indptr(extend)[:-1][waiting], extend[waiting])
-    rows = state.guide_rows(positions.numel())
-    state.counters.guide_rows_peak = max(state.counters.guide_rows_peak, rows)
-    taken = state.take_for_forward(rows).view(state.layout.num_columns, -1)
-    return list(taken[:, : positions.numel()]), positions
 
 
 class _Staging:
@@ -197,49 +161,41 @@ class _Staging:
         return lambda place: None if place is None else on_device[place]
 
 
-def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | str = "cpu") -> ForwardPlan:
-    """Plan a decode step from the host tables alone: each row's newest entry (appended by the
-    allocation) takes the new token, and the rows the allocation cut back to their budget get
-    their eviction (`evictions`, one per group and (budget, policy) among them). What the device
-    needs (its tables' pending changes, the rows, lengths and evictions) travels in one
+def build_decode(
+    state: SparseState,
+    req_indices: Sequence[int],
+    evicting: Sequence[EvictingRequests],
+    device: torch.device | str = "cpu",
+) -> ForwardPlan:
+    """Plan a decode step from the host tables alone: each request's newest entry (appended by
+    the allocation) takes the new token, and the requests the allocation cut back to their
+    budget get their eviction (one per record of `evicting`). What the device needs (its
+    tables' pending changes, the request indices, lengths and evictions) travels in one
     non-blocking copy (`device_copy.upload`), and nothing is read back: the host never waits."""
-    state.counters.forward_plans += 1
-    index = torch.tensor(list(rows), dtype=torch.int64)
+    index = torch.tensor(list(req_indices), dtype=torch.int64)
     staging = _Staging()
     writes = [staging.writes(group) for group in state.groups]
     per_row = state.scores_per_row
-    at_rows, at_batch = staging.add(index), staging.add(torch.arange(len(index)))
+    at_requests, at_batch = staging.add(index), staging.add(torch.arange(len(index)))
     tables = []
-    kinds = []
-    listed = set(index.tolist())
-    for g, group in enumerate(state.groups):
+    for group in state.groups:
         lengths = group.table.lengths[index]
         width = int(lengths.max()) if lengths.numel() else 0
         positions = torch.arange(width)
         last = (lengths - 1).clamp(min=0)
         places = [staging.add(t) for t in (lengths, last, positions // per_row, positions % per_row)]
         tables.append((width, places))
-        evicting = [row for row in index.tolist() if row in group.evictions]
-        olds = {row: group.evictions.pop(row) for row in evicting}
-        if group.evictions:
-            stray = sorted(group.evictions)
-            raise HeapError(f"rows {stray} evicted but are not in this decode batch ({sorted(listed)})")
-        members: dict[tuple[int, ScoringPolicy | None], list[int]] = {}
-        budgets = state.budgets(group, torch.tensor(evicting, dtype=torch.int64)).tolist()
-        for row, budget in zip(evicting, budgets):
-            members.setdefault((budget, state.requests.policy[row]), []).append(row)
-        for (budget, policy), members_rows in members.items():
-            slots, score_slots = _old_entries(state, group, members_rows, olds)
-            kinds.append((g, budget, policy, staging.add(slots), staging.add(score_slots)))
-        state.counters.evictions += len(evicting)
-    state.counters.evictions_per_step_peak = max(state.counters.evictions_per_step_peak, len(kinds))
+    kinds = []
+    for e in evicting:
+        slots, score_slots = _old_entries(state, state.groups[e.group], e.req_indices, e.olds)
+        kinds.append((e.group, e.budget, e.policy, staging.add(slots), staging.add(score_slots)))
     policies = staging.policies(state, index)
-    at_indptr = staging.add(_indptr(torch.ones(len(index), dtype=torch.int64)))
+    at_indptr = staging.add(indptr(torch.ones(len(index), dtype=torch.int64)))
     get = staging.send(device)
     for group, write in zip(state.groups, writes):
         _apply_writes(group, write, get)
     decode_tables = tuple(
-        _decode_tables(group, get(at_rows), get(at_batch), width, [get(p) for p in places], per_row)
+        _decode_tables(group, get(at_requests), get(at_batch), width, [get(p) for p in places], per_row)
         for group, (width, places) in zip(state.groups, tables)
     )
     columns = tuple(tuple(t.column(c) for c in range(group.columns)) for group, t in zip(state.groups, decode_tables))
@@ -255,9 +211,9 @@ def plan_decode(state: SparseState, rows: Sequence[int], device: torch.device | 
 
 
 def _policy_members(state: SparseState, index: torch.Tensor) -> list[tuple[ScoringPolicy, torch.Tensor, torch.Tensor]]:
-    """Every policy of the batch of request rows `index` with its requests' places in the batch
-    and the same as a mask (host), when some request has a policy of its own (none otherwise)."""
-    policies = [state.requests.policy[row] for row in index.tolist()]
+    """Every policy of the batch of requests `index` with its requests' places in the batch and
+    the same as a mask (host), when some request has a policy of its own (none otherwise)."""
+    policies = [state.requests.policy[req_idx] for req_idx in index.tolist()]
     if all(policy is None for policy in policies):
         return []
     members: dict[ScoringPolicy, list[int]] = {}
@@ -265,23 +221,23 @@ def _policy_members(state: SparseState, index: torch.Tensor) -> list[tuple[Scori
         members.setdefault(policy or state.policy, []).append(place)
     out = []
     for policy, places in members.items():
-        rows = torch.tensor(places, dtype=torch.int64)
+        at = torch.tensor(places, dtype=torch.int64)
         mask = torch.zeros(len(policies), dtype=torch.bool)
-        mask[rows] = True
-        out.append((policy, rows, mask))
+        mask[at] = True
+        out.append((policy, at, mask))
     return out
 
 
 def _old_entries(
-    state: SparseState, group: SparseGroup, rows: list[int], olds: dict[int, torch.Tensor]
+    state: SparseState, group: SparseGroup, req_indices: list[int], olds: list[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(old rows, their score slots), both host [columns, N, n_old], of these evicting request
-    rows (their old entries in `olds`, all as long: the budget's max_entries)."""
-    old = torch.stack([olds[row] for row in rows]).permute(2, 0, 1).contiguous()
+    """(old heap rows, their score slots), both host [columns, N, n_old], of these evicting
+    requests (their old entries in `olds`, all as long: the budget's max_entries)."""
+    old = torch.stack(olds).permute(2, 0, 1).contiguous()
     n_old = old.shape[2]
-    positions = torch.arange(n_old).repeat(len(rows))
-    slots = state.score_slots(group, torch.tensor(rows).repeat_interleave(n_old), positions)
-    return old, slots.T.reshape(group.columns, len(rows), n_old).contiguous()
+    positions = torch.arange(n_old).repeat(len(req_indices))
+    slots = state.score_slots(group, torch.tensor(req_indices).repeat_interleave(n_old), positions)
+    return old, slots.T.reshape(group.columns, len(req_indices), n_old).contiguous()
 
 
 def _apply_writes(
@@ -295,54 +251,6 @@ def _apply_writes(
         group.device_table.view(-1)[entries] = values.to(torch.int32)
     if score_entries.numel():
         group.device_scores.view(-1)[score_entries] = score_values.to(torch.int32)
-
-
-def _use_store(
-    state: SparseState,
-    index: torch.Tensor,
-    prefix_ids: Sequence[torch.Tensor],
-    new_ids: torch.Tensor,
-    extend: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(the prefixes' store rows [num_columns, n_prefix], the stored new tokens' store rows
-    [num_columns, n_stored], those tokens' positions among the batch's new tokens [n_stored]).
-
-    A last chunk's held blocks are pinned for this forward; the tokens of chunks before a
-    prompt's last are stored (admission charged their rows) and their request holds its prompt so
-    far for its next chunk; only then, best effort, the other new tokens get store rows, which may
-    reclaim unpinned, unheld store blocks."""
-    store = state.store
-    parts = [ids.to("cpu", torch.int64) for ids in prefix_ids]
-    prefix = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-    prefix_rows = store.lookup(prefix)
-    store.touch(prefix)
-    partial = state.requests.is_(Phase.CHUNKED, index)
-    for row in index[~partial].tolist():
-        state.read_held(row)  # pinned before any row is taken below, which may reclaim the store
-    new = new_ids.to("cpu", torch.int64)
-    chunk_tokens = partial.repeat_interleave(extend)
-    must, rest = torch.nonzero(chunk_tokens).flatten(), torch.nonzero(~chunk_tokens).flatten()
-    blocks = -(-must.numel() // store.page_size)
-    chunk_rows = store.put(new[must], state.take(blocks * store.rows_per_block)) if must.numel() else None
-    if chunk_rows is not None and chunk_rows.shape[0] != must.numel():
-        raise HeapError(f"the prefix store took {chunk_rows.shape[0]} of a chunk's {must.numel()} tokens")
-    news = new.split(extend.tolist())
-    for b in torch.nonzero(partial).flatten().tolist():  # held before the best-effort take below
-        state.hold_for_next_chunk(int(index[b]), torch.cat([parts[b], news[b]]))
-    wanted = -(-rest.numel() // store.page_size) * store.rows_per_block
-    stored = store.put(new[rest], state.take_for_store(wanted)) if rest.numel() else None
-    row_parts = [r for r in (chunk_rows, stored) if r is not None]
-    rows = torch.cat(row_parts) if row_parts else torch.empty(0, store.columns, dtype=torch.int64)
-    positions = torch.cat([must, rest[: 0 if stored is None else stored.shape[0]]])
-    return prefix_rows.T, rows.T, positions
-
-
-def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """start..start+length-1 for each pair, concatenated."""
-    if lengths.numel() == 0:
-        return torch.empty(0, dtype=torch.int64)
-    offsets = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths).repeat_interleave(lengths)
-    return starts.repeat_interleave(lengths) + offsets
 
 
 def _indices(state: SparseState, group: SparseGroup, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,26 +267,19 @@ def _indices(state: SparseState, group: SparseGroup, index: torch.Tensor) -> tup
 
 def _decode_tables(
     group: SparseGroup,
-    rows: torch.Tensor,
+    req_indices: torch.Tensor,
     batch: torch.Tensor,
     width: int,
     uploaded: list[torch.Tensor],
     per_row: int,
 ) -> DecodeTables:
-    """The group's decode tables for the batch's request `rows` (device), gathered from its
-    device tables (`SparseGroup.device_table`); W, the longest row, is known on the host, and so
-    are the lengths, the newest entries' places and the score-slot arithmetic (`uploaded`).
-    Past a row's length: whatever the mirror holds there, slots that were valid (the padding row
-    when never written)."""
+    """The group's decode tables for the batch's requests (`req_indices`, device), gathered from
+    its device tables (`SparseGroup.device_table`); W, the most entries of one, is known on the
+    host, and so are the lengths, the newest entries' places and the score-slot arithmetic
+    (`uploaded`). Past a request's length: whatever the mirror holds there, slots that were valid
+    (the padding row when never written)."""
     lengths, last, page_of, in_page = uploaded
-    entries = group.device_table[rows, :width]  # [B, W, columns]
-    pages = group.device_scores[rows][:, :, page_of]  # [B, columns, W]
+    entries = group.device_table[req_indices, :width]  # [B, W, columns]
+    pages = group.device_scores[req_indices][:, :, page_of]  # [B, columns, W]
     scores = (pages * per_row + in_page).transpose(1, 2)  # [B, W, columns]
     return DecodeTables(lengths, entries, scores, entries[batch, last].T, scores[batch, last].T)
-
-
-def _indptr(lengths: torch.Tensor) -> torch.Tensor:
-    """[B+1] int64 boundaries of these lengths (host)."""
-    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    out[1:] = lengths.cumsum(0)
-    return out

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_kvsparse.layout import SparseSlot
+from sglang_kvsparse.layout import LayerPlace
 from sglang_kvsparse.policies import ScoringPolicy
 
 
@@ -28,11 +28,11 @@ class Eviction:
 
 @dataclass(frozen=True)
 class PolicyGroup:
-    """The requests of a batch that one policy serves: `rows` [n] their places in the batch and
-    `mask` [B] the same as a mask, both on the device (None: every request)."""
+    """The requests of a batch that one policy serves: `members` [n] their positions in the batch
+    and `mask` [B] the same as a mask, both on the device (None: every request)."""
 
     policy: ScoringPolicy
-    rows: torch.Tensor | None
+    members: torch.Tensor | None
     mask: torch.Tensor | None
 
 
@@ -130,8 +130,8 @@ class ForwardPlan:
     policy_groups: tuple[PolicyGroup, ...] = ()
     sentence_ends: torch.Tensor | None = None
 
-    def column(self, slot: SparseSlot) -> ColumnPlan:
-        return self.columns[slot.group][slot.column]
+    def column(self, place: LayerPlace) -> ColumnPlan:
+        return self.columns[place.group][place.column]
 
 
 @dataclass(frozen=True)

@@ -60,17 +60,17 @@ class RequestSparsity:
         parts += [] if self.policy is None else [f"policy {self.policy.describe()}"]
         return ", ".join(parts) or "server"
 
-    def row_budget(self, resolved: ResolvedSparsity) -> int:
-        """The budget its sparse rows keep in every group: 0 for the server's budgets; off keeps
+    def own_budget(self, resolved: ResolvedSparsity) -> int:
+        """The budget it keeps in every group: 0 for the server's budgets; off keeps
         `request_cap` entries, at least its whole length (`check_request`)."""
         if not self.enabled:
             return resolved.request_cap
         return self.budget or 0
 
     def grouping(self, resolved: ResolvedSparsity) -> tuple[int, ScoringPolicy | None]:
-        """What the sparse layers group requests by (row budget, own policy): each distinct one
+        """What the sparse layers group requests by (own budget, own policy): each distinct one
         in a batch is a scoring pass at prefill and an eviction per step while decoding."""
-        return self.row_budget(resolved), self.policy
+        return self.own_budget(resolved), self.policy
 
 
 SERVER_SETTING = RequestSparsity()

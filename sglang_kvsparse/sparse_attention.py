@@ -15,7 +15,7 @@ import torch
 from sglang_kvsparse import kernels
 from sglang_kvsparse.guide import PrefillGuide
 from sglang_kvsparse.kernels.common import positions_in_segment, segment_ids
-from sglang_kvsparse.layout import GroupSpec, HeapLayout, SparseSlot
+from sglang_kvsparse.layout import GroupSpec, HeapLayout, LayerPlace
 from sglang_kvsparse.planning import plan_decode
 from sglang_kvsparse.plans import ColumnPlan, Eviction, ForwardPlan, MixedPlan, PolicyGroup
 from sglang_kvsparse.policies import PrefillScoringInputs, ScoringPolicy
@@ -165,7 +165,7 @@ def _keep(
 
 def policy_groups(plan: ForwardPlan, policy: ScoringPolicy) -> tuple[PolicyGroup, ...]:
     """The plan's policies with their requests; without any of a request's own, the server's
-    `policy` for every request (`rows` and `mask` None)."""
+    `policy` for every request (`members` and `mask` None)."""
     return plan.policy_groups or (PolicyGroup(policy, None, None),)
 
 
@@ -237,7 +237,7 @@ def sparse_decode(
         return _decode(q, column, buffers, sm_scale, groups[0].policy, slice(None))
     out = torch.empty_like(q)
     for group in groups:
-        out[group.rows] = _decode(q, column, buffers, sm_scale, group.policy, group.rows)
+        out[group.members] = _decode(q, column, buffers, sm_scale, group.policy, group.members)
     return out
 
 
@@ -247,9 +247,9 @@ def _first_scores(groups: tuple[PolicyGroup, ...], k: torch.Tensor, positions: t
         return groups[0].policy.new_key_scores(k, positions)
     scores = torch.zeros(k.shape[:2], dtype=torch.float32, device=k.device)
     for group in groups:
-        first = group.policy.new_key_scores(k[group.rows], positions[group.rows])
+        first = group.policy.new_key_scores(k[group.members], positions[group.members])
         if first is not None:
-            scores[group.rows] = first
+            scores[group.members] = first
     return scores
 
 
@@ -259,26 +259,27 @@ def _decode(
     buffers: LaneBuffers,
     sm_scale: float,
     policy: ScoringPolicy,
-    rows: slice | torch.Tensor,
+    members: slice | torch.Tensor,
 ) -> torch.Tensor:
-    """The decode kernel over the batch's `rows`, updating scores as `policy` says."""
+    """The decode kernel over the batch's `members` (positions in the batch), updating scores as
+    `policy` says."""
     return kernels.decode_attention_with_scores(
-        q[rows],
+        q[members],
         buffers.k,
         buffers.v,
-        column.kv_lens[rows],
-        column.kv_indices[rows],
+        column.kv_lens[members],
+        column.kv_indices[members],
         buffers.scores,
         sm_scale,
-        score_indices=column.score_indices[rows],
+        score_indices=column.score_indices[members],
         score_update=policy.score_update,
     )
 
 
-def prepare_decode(state: SparseState, rows: Sequence[int], device: torch.device | str) -> ForwardPlan:
+def prepare_decode(state: SparseState, req_indices: Sequence[int], device: torch.device | str) -> ForwardPlan:
     """A decode step's plan (`planning.plan_decode`, from the host tables), its evictions already
     run in every sparse layer: what the backend does once per step, before the layers."""
-    plan = plan_decode(state, rows, device)
+    plan = plan_decode(state, req_indices, device)
     evict_planned(plan, state.layout, state.lanes, state.policy)
     return plan
 
@@ -329,7 +330,7 @@ def sparse_mixed(
     v: torch.Tensor,
     sm_scale: float,
     plan: MixedPlan,
-    slot: SparseSlot,
+    place: LayerPlace,
     buffers: LaneBuffers,
     policy: ScoringPolicy,
     positions: torch.Tensor,
@@ -340,9 +341,11 @@ def sparse_mixed(
     decoding rows' (one each); [T, H_q, D] in the batch's order, as `positions` [T]."""
     n = plan.extend_tokens
     prefill, decode = plan.extend, plan.decode
-    column = prefill.column(slot)
+    column = prefill.column(place)
     o_extend = sparse_extend(q[:n], k[:n], v[:n], sm_scale, prefill, column, buffers, policy, layer_id, guide)
-    o_decode = sparse_decode(q[n:], k[n:], v[n:], sm_scale, decode, decode.column(slot), buffers, policy, positions[n:])
+    o_decode = sparse_decode(
+        q[n:], k[n:], v[n:], sm_scale, decode, decode.column(place), buffers, policy, positions[n:]
+    )
     return torch.cat([o_extend, o_decode.view(-1, *o_extend.shape[1:])])
 
 

@@ -1,25 +1,25 @@
 """The sparse layers' per-request state inside one scheduler process (no SGLang imports).
 
-`SparseState` is the `AuxCache` SGLang keeps in step with its request rows: SGLang calls
-`alloc_to_lengths` when rows grow (prefill, then one token per decode step) and `free` on every
-release path (finish, abort, retraction). It owns, per group of sparse columns (`layout.py`), a
-`RowTable` of each request's heap rows, and the `PrefixStore` of cached prompt tokens; the rows
-themselves come from the one KV heap (`HeapRows`: SGLang's token allocator), shared with SGLang's
-full layers.
+`SparseState` is the `AuxCache` SGLang keeps in step with its requests (`ReqToTokenPool`):
+SGLang calls `alloc_to_lengths` when requests grow (prefill, then one token per decode step) and
+`free` on every release path (finish, abort, retraction). It owns, per group of sparse columns
+(`layout.py`), an `EntryTable` of each request's entries (the heap rows they are in), and the
+`PrefixStore` of cached prompt tokens; the rows themselves come from the one KV heap (`HeapRows`:
+SGLang's token allocator), shared with SGLang's full layers.
 
 Each request keeps its own budget and policy (`request_sparsity.py`: the server's by default, or
 those its `custom_params` ask for, which `expect` records); "budget" below is the request's.
 
-Lifecycle of a row in one group: a prefill keeps min(length, budget) entries, each decode step
-appends one, and a row holding its `max_entries` (budget + evict_page) is first cut back to
+Lifecycle of a request in one group: a prefill keeps min(length, budget) entries, each decode
+step appends one, and a request holding its `max_entries` (budget + evict_page) is first cut back to
 `budget` (`growth.py`); the forward moves the best-scored old entries into the kept positions
-(`planning.plan_decode` hands the old rows over), and the evicted rows go back to the heap only
+(`forward_step.begin_decode` hands the old rows over), and the evicted rows go back to the heap only
 once that forward has been issued (`finish_forward`). A prompt prefilled in chunks keeps nothing
 until its last chunk: earlier chunks' sparse K/V wait in the prefix store, held for the request,
 and the last chunk reads them back as a cached prefix, selecting with the whole prompt in view.
 
 Scores: a request that will outgrow its `max_entries` in a group (its final length, prompt + max new
-tokens, is told by `expect` when SGLang gives it a row) gets the group's score rows at prefill;
+tokens, is told by `expect` when SGLang admits it) gets the group's score rows at prefill;
 entry j of column c keeps its scores at score slot `score_rows[j // per_row] * per_row +
 j % per_row` of the lane's score view (the K bytes of those rows as float32). A request that
 never evicts gets none: its score writes go to scratch slots in the padding row, never read.
@@ -37,6 +37,7 @@ import torch
 from sglang_kvsparse.config import ResolvedSparsity
 from sglang_kvsparse.contracts import HeapRows
 from sglang_kvsparse.counters import Counters
+from sglang_kvsparse.entry_table import EntryTable, HeapExhausted
 from sglang_kvsparse.growth import grow_to_lengths
 from sglang_kvsparse.layout import HeapLayout, round_up, scores_per_row
 from sglang_kvsparse.policies import ScoringPolicy
@@ -44,13 +45,12 @@ from sglang_kvsparse.prefix_store import PrefixStore
 from sglang_kvsparse.released_ids import ReleasedIds
 from sglang_kvsparse.request_sparsity import SERVER_GROUPING, SERVER_SETTING, RequestSparsity
 from sglang_kvsparse.request_table import Phase, RequestTable
-from sglang_kvsparse.row_table import HeapExhausted, RowTable
 from sglang_kvsparse.sentences import SentenceMarks
 from sglang_kvsparse.sparse_group import LaneBuffers, SparseGroup
 
 
 class SparseState:
-    """Rows, tables and the prefix store of every sparse layer, keyed by SGLang's request row."""
+    """Entries, records and the prefix store of every sparse layer, keyed by SGLang's request index."""
 
     def __init__(
         self,
@@ -79,8 +79,8 @@ class SparseState:
         first = 0
         device = lanes[0].k.device
         for spec in self.layout.groups:
-            widest = self.layout.widest_row(spec)
-            table = RowTable(max_requests, widest, len(spec.columns), self.page_size)
+            widest = self.layout.widest_request(spec)
+            table = EntryTable(max_requests, widest, len(spec.columns), self.page_size)
             score_rows = self.layout.score_rows(widest)
             scores = torch.zeros(max_requests, len(spec.columns), score_rows, dtype=torch.int64)
             device_table = torch.zeros(table.table.shape, dtype=torch.int32, device=device)
@@ -102,57 +102,57 @@ class SparseState:
 
     # -- AuxCache (called by SGLang's ReqToTokenPool) --------------------------------------
     def alloc_to_lengths(self, *, req_pool_indices_cpu: torch.Tensor, target_seq_lens_cpu: torch.Tensor) -> None:
-        """Grow each row to its target length (see the module doc). All-or-nothing: every group is
+        """Grow each request to its target length (see the module doc). All-or-nothing: every group is
         checked and the heap rows taken before anything changes."""
         grow_to_lengths(
             self, req_pool_indices_cpu.to(torch.int64).reshape(-1), target_seq_lens_cpu.to(torch.int64).reshape(-1)
         )
 
-    def free(self, row: int) -> None:
-        """Release the row in every group (a row that never got any is a no-op)."""
-        self._release_held(row)
-        self.requests.clear(row)
+    def free(self, req_idx: int) -> None:
+        """Release what the request at `req_idx` holds in every group (none: a no-op)."""
+        self._release_held(req_idx)
+        self.requests.clear(req_idx)
         for group in self.groups:
-            group.evictions.pop(row, None)
-            if group.table.is_active(row):
-                self.heap.give(group.table.release(row))
-            if bool(group.score_table[row, 0, 0]):
-                held = group.score_table[row]
+            group.evictions.pop(req_idx, None)
+            if group.table.is_active(req_idx):
+                self.heap.give(group.table.release(req_idx))
+            if bool(group.score_table[req_idx, 0, 0]):
+                held = group.score_table[req_idx]
                 self.heap.give(held[held > 0])
-                group.score_table[row] = 0
+                group.score_table[req_idx] = 0
 
     def expect(
         self,
-        rows: list[int],
+        req_indices: list[int],
         final_lens: list[int],
         fill_lens: list[int] | None = None,
         settings: list[RequestSparsity] | None = None,
     ) -> None:
-        """The requests SGLang just gave these rows will reach at most these lengths (their
+        """The requests SGLang just admitted at these indices will reach at most these lengths (their
         prompt and max new tokens): those that outgrow their budget in a group get score rows
         there. `fill_lens`: the lengths their prefills reach (a shorter allocation is a chunk).
         `settings`: each request's own (`request_sparsity.py`; default the server's)."""
-        index = torch.tensor(rows, dtype=torch.int64)
+        index = torch.tensor(req_indices, dtype=torch.int64)
         requests = self.requests
         requests.final_len[index] = torch.tensor(final_lens, dtype=torch.int64)
         if fill_lens is not None:
             requests.fill_len[index] = torch.tensor(fill_lens, dtype=torch.int64)
-        settings = settings if settings is not None else [SERVER_SETTING] * len(rows)
-        requests.budget[index] = torch.tensor([s.row_budget(self.resolved) for s in settings], dtype=torch.int64)
-        for row, setting in zip(rows, settings):
-            requests.policy[row] = setting.policy
-        new = requests.is_(Phase.FREE, index)  # a chunked prompt's later chunks keep the row it got first
+        settings = settings if settings is not None else [SERVER_SETTING] * len(req_indices)
+        requests.budget[index] = torch.tensor([s.own_budget(self.resolved) for s in settings], dtype=torch.int64)
+        for req_idx, setting in zip(req_indices, settings):
+            requests.policy[req_idx] = setting.policy
+        new = requests.is_(Phase.FREE, index)  # a chunked prompt's later chunks keep the record of its first
         requests.phase[index[new]] = Phase.ADMITTED
         counts = self.counters.requests_by_setting
         for setting in (s for s, is_new in zip(settings, new.tolist()) if is_new):
             counts[setting.label] = counts.get(setting.label, 0) + 1
 
     def clear(self) -> None:
-        """Release every row, the deferred evictions and the prefix store, giving rows back."""
+        """Release every request, the deferred evictions and the prefix store, giving rows back."""
         if self.released is not None:
             self.released.settle(wait=True)
-        for row in torch.nonzero(self.requests.phase).flatten().tolist():
-            self.free(row)
+        for req_idx in torch.nonzero(self.requests.phase).flatten().tolist():
+            self.free(req_idx)
         self.finish_forward()
         if self.store is not None:
             self.heap.give(self.store.clear())
@@ -160,8 +160,8 @@ class SparseState:
     def reset_allocator(self) -> None:
         """SGLang reset its allocator (every row is free again): forget what we held."""
         for group in self.groups:
-            for row in group.table.active_rows().tolist():
-                group.table.release(row)
+            for req_idx in group.table.active_requests().tolist():
+                group.table.release(req_idx)
             group.evictions.clear()
             group.score_table.zero_()
         self.requests.reset()
@@ -188,28 +188,28 @@ class SparseState:
         """Rows SGLang freed that are on their way back to the heap (free, usable once settled)."""
         return self.released.rows if self.released is not None else 0
 
-    def hold_for_next_chunk(self, row: int, full_ids: torch.Tensor) -> None:
-        """The request in `row` continues its prefill in a later chunk that reads these ids (its
+    def hold_for_next_chunk(self, req_idx: int, full_ids: torch.Tensor) -> None:
+        """The request at `req_idx` continues its prefill in a later chunk that reads these ids (its
         prompt so far): hold their store blocks until then, in place of what it held before."""
         blocks = self.store.blocks_of(full_ids)
         self.store.hold(blocks)
-        self._release_held(row)
-        self.requests.held[row] = blocks
+        self._release_held(req_idx)
+        self.requests.held[req_idx] = blocks
 
-    def continues_chunks(self, row: int) -> bool:
-        """Whether the request in `row` is past the first chunk of a chunked prefill."""
-        return row in self.requests.held
+    def continues_chunks(self, req_idx: int) -> bool:
+        """Whether the request at `req_idx` is past the first chunk of a chunked prefill."""
+        return req_idx in self.requests.held
 
-    def read_held(self, row: int) -> None:
-        """The request in `row` is in its last chunk: what it held is pinned for this forward,
+    def read_held(self, req_idx: int) -> None:
+        """The request at `req_idx` is in its last chunk: what it held is pinned for this forward,
         after which it is an ordinary cache entry."""
-        blocks = self.requests.held.get(row)
+        blocks = self.requests.held.get(req_idx)
         if blocks is not None:
             self.store.pin_blocks(blocks)
-            self._release_held(row)
+            self._release_held(req_idx)
 
-    def _release_held(self, row: int) -> None:
-        blocks = self.requests.held.pop(row, None)
+    def _release_held(self, req_idx: int) -> None:
+        blocks = self.requests.held.pop(req_idx, None)
         if blocks is not None:
             self.heap.give(self.store.release(blocks))
 
@@ -250,19 +250,20 @@ class SparseState:
         it still reads them."""
         self._deferred.append(rows)
 
-    def rows_held(self, row: int) -> int:
-        """Heap rows the request in `row` holds in the sparse columns now (scores included)."""
+    def rows_held(self, req_idx: int) -> int:
+        """Heap rows the request at `req_idx` holds in the sparse columns now (scores included)."""
         return sum(
-            group.columns * round_up(group.table.length(row), self.page_size) + int((group.score_table[row] > 0).sum())
+            group.columns * round_up(group.table.length(req_idx), self.page_size)
+            + int((group.score_table[req_idx] > 0).sum())
             for group in self.groups
-            if group.table.is_active(row)
+            if group.table.is_active(req_idx)
         )
 
-    def score_slots(self, group: SparseGroup, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Score slots [n, columns] of entries at `positions` of request `rows` (both [n]): in the
+    def score_slots(self, group: SparseGroup, req_indices: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Score slots [n, columns] of entries at `positions` of these requests (both [n]): in the
         request's score rows, or scratch slots in the padding row for a request that never evicts."""
         per_row = self.scores_per_row
-        pages = group.score_table[rows, :, positions // per_row]  # [n, columns]
+        pages = group.score_table[req_indices, :, positions // per_row]  # [n, columns]
         return pages * per_row + (positions % per_row)[:, None]
 
     def reusable_prefix_len(self, prefix_ids: torch.Tensor, seq_len: int) -> int:
@@ -286,17 +287,18 @@ class SparseState:
 
     # -- queries -------------------------------------------------------------------------
     def own_settings_running(self) -> set[tuple[int, ScoringPolicy | None]]:
-        """The distinct own settings (row budget, policy) of the running requests, as the sparse
+        """The distinct own settings (own budget, policy) of the running requests, as the sparse
         layers group them (`RequestSparsity.grouping`); the server's is not one."""
-        rows = self.requests.running_rows().tolist()
-        settings = {(int(self.requests.budget[row]), self.requests.policy[row]) for row in rows}
+        running = self.requests.running_requests().tolist()
+        settings = {(int(self.requests.budget[i]), self.requests.policy[i]) for i in running}
         return settings - {SERVER_GROUPING}
 
     def requests_running(self) -> int:
         return int(self.requests.running().sum())
 
-    def running_rows(self) -> torch.Tensor:
-        return self.requests.running_rows()
+    def running_requests(self) -> torch.Tensor:
+        """The indices of the running requests."""
+        return self.requests.running_requests()
 
     def sparse_rows(self, group: SparseGroup) -> int:
         """Heap rows the group's requests hold: entries (pending evictions' included) and scores."""
@@ -308,14 +310,14 @@ class SparseState:
     def deferred_rows(self) -> int:
         return sum(rows.numel() for rows in self._deferred)
 
-    def budgets(self, group: SparseGroup, rows: torch.Tensor) -> torch.Tensor:
-        """Each request row's budget in the group: its own, or the group's."""
-        own = self.requests.budget[rows]
+    def budgets(self, group: SparseGroup, req_indices: torch.Tensor) -> torch.Tensor:
+        """Each of these requests' budget in the group: its own, or the group's."""
+        own = self.requests.budget[req_indices]
         return torch.where(own > 0, own, group.spec.budget)
 
-    def max_entries(self, group: SparseGroup, rows: torch.Tensor) -> torch.Tensor:
-        """Each request row's most entries in the group (it evicts on reaching them)."""
-        own = self.requests.budget[rows]
+    def max_entries(self, group: SparseGroup, req_indices: torch.Tensor) -> torch.Tensor:
+        """Each of these requests' most entries in the group (it evicts on reaching them)."""
+        own = self.requests.budget[req_indices]
         mine = (own + self.config.evict_page).clamp(max=self.resolved.context_len)
         return torch.where(own > 0, mine, group.spec.max_entries)
 
@@ -336,15 +338,15 @@ class SparseState:
         """Heap rows the running requests may take in their coming decode steps before their own
         evictions give rows back: per group and request, the pages from what it holds up to the
         most it will hold (its `max_entries`, or its final length when shorter), and one more."""
-        running = self.running_rows()
+        running = self.running_requests()
         page = self.page_size
         total = 0
         for group in self.groups:
-            rows = running[group.table.active[running]]
-            final = self.requests.final_len[rows]
+            holding = running[group.table.active[running]]
+            final = self.requests.final_len[holding]
             final = torch.where(final == 0, self.resolved.context_len, final)
-            most = torch.minimum(self.max_entries(group, rows), final)
-            pages = (most + page - 1) // page - (group.table.lengths[rows] + page - 1) // page
+            most = torch.minimum(self.max_entries(group, holding), final)
+            pages = (most + page - 1) // page - (group.table.lengths[holding] + page - 1) // page
             total += int((pages.clamp(min=0) + 1).sum()) * page * group.columns
         return total
 

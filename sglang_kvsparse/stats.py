@@ -81,7 +81,7 @@ class SparseStats:
     requests_running_peak: int
     forward_plans: int
     evictions: int
-    #: What makes the host wait for the device, counted where the sparse path could: request rows
+    #: What makes the host wait for the device, counted where the sparse path could: request indices
     #: read back (`host_syncs`), SGLang's free ids copied to the host during a decode step's
     #: allocation (`decode_refills`; `heap_refills` all of them, prefills included), allocations
     #: that waited for freed ids still on their way (`release_waits`). Zero in a healthy decode.
@@ -116,7 +116,7 @@ class SparseStats:
 def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
     """Stats of `state`, with the heap's free rows as SGLang's allocator counts them."""
     layout, page = state.layout, state.page_size
-    running = state.running_rows()
+    running = state.running_requests()
     full_running = int(((state.requests.length[running] + page - 1) // page).sum()) * page
     group_stats = [
         GroupStats(
@@ -143,11 +143,11 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
     )
     layers = []
     for layer in range(layout.num_layers):
-        slot = layout.sparse_slots.get(layer)
-        if slot is None:
+        place = layout.layer_places.get(layer)
+        if place is None:
             layers.append(LayerStats(layer, "full", None, full_running, total))
         else:
-            group = group_stats[slot.group]
+            group = group_stats[place.group]
             entries = (group.rows - group.score_rows) // group.columns
             layers.append(LayerStats(layer, "sparse", group.budget, entries, total))
     lane = state.lanes[0]
@@ -227,13 +227,13 @@ _LISTS = {"groups", "layers"}
 
 
 def describe_tables(state: SparseState) -> str:
-    """The row tables' size, for the start-up log: a request's row is as wide as the largest
+    """The entry tables' size, for the start-up log: a request's line is as wide as the largest
     budget a request may ask for (`max_request_budget`), in every group."""
     host = sum(g.table.table.nbytes + g.score_table.nbytes for g in state.groups)
     device = sum(g.device_table.nbytes + g.device_scores.nbytes for g in state.groups)
     widths = ", ".join(str(g.table.max_entries) for g in state.groups) or "none"
     return (
-        f"row tables: {state.requests.size} request rows x {widths} entries: "
+        f"entry tables: {state.requests.size} requests x {widths} entries: "
         f"{host / 2**20:.1f} MiB on the host, {device / 2**20:.1f} MiB on the device"
     )
 

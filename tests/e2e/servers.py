@@ -107,7 +107,7 @@ def every_rank(stats: dict) -> list[dict]:
 def assert_every_slot_back(stats: dict) -> None:
     """On every rank, no request holds a heap row: every row is free or cached (SGLang's radix
     tree, the prefix store), both of which give rows back on demand. And nothing the sparse path
-    did made the host wait for the device: no request rows read back, no decode step refilling the
+    did made the host wait for the device: no request indices read back, no decode step refilling the
     host free list from SGLang's device one, no allocation waiting for freed ids (`stats.py`)."""
     assert stats["requests_running"] == 0
     for rank in every_rank(stats):

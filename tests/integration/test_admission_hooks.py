@@ -18,21 +18,24 @@ def admission(monkeypatch):
     from sglang_kvsparse.patches import admission, context
 
     monkeypatch.setattr(context, "_state", SimpleNamespace(resolved=SimpleNamespace(context_len=8192)))
-    monkeypatch.setattr(admission, "prefill_charge", lambda *a: 0)
+    monkeypatch.setattr(context, "_round", None)
+    monkeypatch.setattr(admission, "prefill_charge", lambda *a: 7)
     monkeypatch.setattr(admission, "prefill_guide_rows", lambda *a: 0)
     return admission
 
 
-def _adder() -> SimpleNamespace:
+class Adder(SimpleNamespace):
+    """A stand-in for SGLang's `PrefillAdder` (which, unlike `SimpleNamespace`, takes weak references)."""
+
+
+def _adder() -> Adder:
     """A `PrefillAdder` in a round already started, with a 512-token chunk budget."""
     from sglang_kvsparse.admission import AdmissionRound
+    from sglang_kvsparse.patches import context
 
-    return SimpleNamespace(
-        _kvsparse_admission=AdmissionRound(),
-        token_to_kv_pool_allocator=SimpleNamespace(kvsparse_charge=None),
-        can_run_list=[],
-        rem_chunk_tokens=512,
-    )
+    adder = Adder(can_run_list=[], rem_chunk_tokens=512)
+    context.start_round(adder, AdmissionRound())
+    return adder
 
 
 def _chunked_req() -> SimpleNamespace:
@@ -48,14 +51,17 @@ def _chunked_req() -> SimpleNamespace:
 def test_a_prompt_with_chunks_left_takes_the_rounds_chunk_budget(admission, admitted):
     adder, req = _adder(), _chunked_req()
 
+    charged = []
+
     def add_chunked_req(adder, req):  # SGLang: the prompt has chunks left, so it is returned
+        charged.append(admission.context.prefill_charge(1536))  # the allocator's reserve asks
         if admitted:
             adder.can_run_list.append(req)
         return req
 
     assert admission.admit_chunk(add_chunked_req, adder, req) is req
     assert adder.rem_chunk_tokens == 0
-    assert adder.token_to_kv_pool_allocator.kvsparse_charge is None  # the charge is only set during SGLang's call
+    assert charged == [7] and admission.context.prefill_charge(1536) == 0  # charged only during SGLang's call
 
 
 def test_a_prompts_last_chunk_leaves_the_budget_to_others(admission):
@@ -111,15 +117,11 @@ def test_a_request_refused_while_guided_prefills_hold_rows_is_tried_next_round(m
         own_settings_running=set,
     )
     monkeypatch.setattr(context, "_state", state)
+    monkeypatch.setattr(context, "_round", None)
     monkeypatch.setattr(admission, "prefill_charge", lambda *a: 0)
     monkeypatch.setattr(admission, "prefill_guide_rows", lambda *a: transient_rows)
-    adder = SimpleNamespace(
-        _kvsparse_admission=AdmissionRound(),
-        token_to_kv_pool_allocator=SimpleNamespace(kvsparse_charge=None),
-        can_run_list=[],
-        new_chunked_req=None,
-        tree_cache=None,
-    )
+    adder = Adder(can_run_list=[], new_chunked_req=None, tree_cache=None)
+    context.start_round(adder, AdmissionRound())
 
     def request() -> SimpleNamespace:
         return SimpleNamespace(

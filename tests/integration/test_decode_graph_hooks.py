@@ -77,7 +77,7 @@ class Recorder(TorchDispatchMode):
 def layers_of(state) -> list[SimpleNamespace]:
     return [
         SimpleNamespace(layer_id=layer, tp_q_head_num=H_KV * G, qk_head_dim=D, scaling=0.3)
-        for layer in sorted(state.layout.sparse_slots)
+        for layer in sorted(state.layout.layer_places)
     ]
 
 

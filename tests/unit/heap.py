@@ -131,8 +131,8 @@ def make_state(
     return state, heap
 
 
-def grow(state: SparseState, rows, lengths) -> None:
-    state.alloc_to_lengths(req_pool_indices_cpu=torch.tensor(rows), target_seq_lens_cpu=torch.tensor(lengths))
+def grow(state: SparseState, req_indices, lengths) -> None:
+    state.alloc_to_lengths(req_pool_indices_cpu=torch.tensor(req_indices), target_seq_lens_cpu=torch.tensor(lengths))
 
 
 def assert_device_tables_mirror_the_host(state):
@@ -143,21 +143,21 @@ def assert_device_tables_mirror_the_host(state):
         entries, values, score_entries, score_values = group.stale_entries()
         group.device_table.view(-1)[entries] = values.to(torch.int32)
         group.device_scores.view(-1)[score_entries] = score_values.to(torch.int32)
-        for row in group.table.active_rows().tolist():
-            n = group.table.length(row)
-            assert torch.equal(group.device_table[row, :n].long(), group.table.table[row, :n]), row
-            assert torch.equal(group.device_scores[row].long(), group.score_table[row]), row
+        for req_idx in group.table.active_requests().tolist():
+            n = group.table.length(req_idx)
+            assert torch.equal(group.device_table[req_idx, :n].long(), group.table.table[req_idx, :n]), req_idx
+            assert torch.equal(group.device_scores[req_idx].long(), group.score_table[req_idx]), req_idx
 
 
-def prefill_alone(state: SparseState, row: int, final: int, q, k, v) -> None:
-    """A request of final length `final` joins in `row`: its prompt (q/k/v [prompt, H, D])
+def prefill_alone(state: SparseState, req_idx: int, final: int, q, k, v) -> None:
+    """A request of final length `final` joins in `req_idx`: its prompt (q/k/v [prompt, H, D])
     prefilled in a batch of its own, through every sparse layer."""
     prompt = k.shape[0]
-    state.expect([row], [final])
-    grow(state, [row], [prompt])
-    plan = plan_extend(state, [row], [0], [prompt], device=state.lanes[0].k.device)
-    for slot in state.layout.sparse_slots.values():
-        sparse_extend(q, k, v, 0.3, plan, plan.column(slot), state.lanes[slot.lane], state.policy)
+    state.expect([req_idx], [final])
+    grow(state, [req_idx], [prompt])
+    plan = plan_extend(state, [req_idx], [0], [prompt], device=state.lanes[0].k.device)
+    for place in state.layout.layer_places.values():
+        sparse_extend(q, k, v, 0.3, plan, plan.column(place), state.lanes[place.lane], state.policy)
     state.finish_forward()
 
 
@@ -171,9 +171,9 @@ GROUP = 2  # query heads per KV head in `decode_lifecycle`
 def eager_decode(state: SparseState, plan: ForwardPlan, q, k, v, positions) -> torch.Tensor:
     """Every sparse layer's decode forward on the plan, as the server runs it."""
     outputs = []
-    for slot in state.layout.sparse_slots.values():
-        lane = state.lanes[slot.lane]
-        outputs.append(sparse_decode(q, k, v, 0.3, plan, plan.column(slot), lane, state.policy, positions))
+    for place in state.layout.layer_places.values():
+        lane = state.lanes[place.lane]
+        outputs.append(sparse_decode(q, k, v, 0.3, plan, plan.column(place), lane, state.policy, positions))
     return torch.stack(outputs)
 
 
@@ -184,7 +184,7 @@ def decode_lifecycle(
     seed: int = 5,
 ):
     """A seeded lifecycle: requests join (prefilled alone), decode together, evict and finish,
-    on a state of up to 7 request rows (rows 1..7). Each decode step's plan goes to `decode`,
+    on a state of up to 7 requests (indices 1..7). Each decode step's plan goes to `decode`,
     after its evictions ran. Returns (each decode step's outputs on the host, steps with an
     eviction). Inputs come from a seeded generator: two runs see the same."""
     device = state.lanes[0].k.device
@@ -197,29 +197,29 @@ def decode_lifecycle(
     final: dict[int, int] = {}
     outputs, evicting = [], 0
     for step in range(steps):
-        free_rows = [row for row in range(1, 8) if row not in lengths]
-        if free_rows and len(lengths) < 5 and step % 7 == 0:
-            row = free_rows[0]
+        free = [req_idx for req_idx in range(1, 8) if req_idx not in lengths]
+        if free and len(lengths) < 5 and step % 7 == 0:
+            req_idx = free[0]
             prompt = int(torch.randint(2, 30, (1,), generator=gen))
-            final[row] = prompt + int(torch.randint(5, 80, (1,), generator=gen))
-            prefill_alone(state, row, final[row], *inputs(prompt))
-            lengths[row] = prompt
+            final[req_idx] = prompt + int(torch.randint(5, 80, (1,), generator=gen))
+            prefill_alone(state, req_idx, final[req_idx], *inputs(prompt))
+            lengths[req_idx] = prompt
             continue
-        rows = sorted(lengths)
-        if not rows:
+        req_indices = sorted(lengths)
+        if not req_indices:
             continue
-        grow(state, rows, [lengths[row] + 1 for row in rows])
-        plan = plan_decode(state, rows, device)
+        grow(state, req_indices, [lengths[req_idx] + 1 for req_idx in req_indices])
+        plan = plan_decode(state, req_indices, device)
         evicting += bool(plan.evictions)
-        q, k, v = inputs(len(rows))
-        positions = torch.tensor([lengths[row] for row in rows], device=device)
+        q, k, v = inputs(len(req_indices))
+        positions = torch.tensor([lengths[req_idx] for req_idx in req_indices], device=device)
         evict_planned(plan, state.layout, state.lanes, state.policy)
         out = decode(state, plan, q, k, v, positions)
         outputs.append(out.cpu())
         state.finish_forward()
-        for row in rows:
-            lengths[row] += 1
-            if lengths[row] == final[row]:
-                state.free(row)
-                del lengths[row]
+        for req_idx in req_indices:
+            lengths[req_idx] += 1
+            if lengths[req_idx] == final[req_idx]:
+                state.free(req_idx)
+                del lengths[req_idx]
     return outputs, evicting

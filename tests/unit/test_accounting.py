@@ -41,8 +41,8 @@ def test_default_layout_pairs_sparse_layers_on_the_full_layers_lanes():
     assert (group.budget, group.max_entries, len(group.columns)) == (1024, 1040, 14)
     assert group.score_rows == 17  # ceil(1040 / 64)
     assert group.columns[0].layers == (2, 3) and group.columns[-1].layers == (28, 29)
-    assert DEFAULT.sparse_slots[5].column == 1 and DEFAULT.sparse_slots[5].lane == 1
-    assert DEFAULT.idle_lanes == 0 and 0 not in DEFAULT.sparse_slots
+    assert DEFAULT.layer_places[5].column == 1 and DEFAULT.layer_places[5].lane == 1
+    assert DEFAULT.idle_lanes == 0 and 0 not in DEFAULT.layer_places
 
 
 def test_rows_held_hand_checked():

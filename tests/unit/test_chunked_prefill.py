@@ -20,12 +20,12 @@ LAYER = 1  # a sparse layer
 
 def kept(state, row):
     """(K, V, scores) of the row's entries in LAYER's column."""
-    slot = state.layout.sparse_slots[LAYER]
-    group = state.groups[slot.group]
-    rows = group.table.entries(row)[:, slot.column]
+    place = state.layout.layer_places[LAYER]
+    group = state.groups[place.group]
+    rows = group.table.entries(row)[:, place.column]
     n = rows.numel()
-    scores = state.score_slots(group, torch.full((n,), row), torch.arange(n))[:, slot.column]
-    lane = state.lanes[slot.lane]
+    scores = state.score_slots(group, torch.full((n,), row), torch.arange(n))[:, place.column]
+    lane = state.lanes[place.lane]
     return lane.k[rows].clone(), lane.v[rows].clone(), lane.scores[scores].clone()
 
 
@@ -41,9 +41,9 @@ def forward(state, rows, prefix_lens, extend_lens, prefix_ids, new_ids, q, k, v)
         guide = PrefillGuide(guide_layers)
     outputs = {}
     for layer in state.resolved.sparse_layers if guide_layers else (LAYER,):
-        slot = state.layout.sparse_slots[layer]
-        lane = state.lanes[slot.lane]
-        outputs[layer] = sparse_extend(q, k, v, 0.3, plan, plan.column(slot), lane, state.policy, layer, guide)
+        place = state.layout.layer_places[layer]
+        lane = state.lanes[place.lane]
+        outputs[layer] = sparse_extend(q, k, v, 0.3, plan, plan.column(place), lane, state.policy, layer, guide)
     if guide is not None:
         guide.finish()
     state.finish_forward()
@@ -188,8 +188,8 @@ def test_a_mixed_step_prefills_and_decodes_as_the_two_steps_apart():
         seqs = sequences([10, 9, 1, 1], seed=11)
         ids = heap.sglang_alloc(19)
         forward(state, [1], [0], [10], [torch.empty(0)], ids[:10], *seqs[0])
-        slot = state.layout.sparse_slots[LAYER]
-        lane = state.lanes[slot.lane]
+        place = state.layout.layer_places[LAYER]
+        lane = state.lanes[place.lane]
         grow(state, [2], [9])
         prefill = plan_extend(state, [2], [0], [9], [torch.empty(0)], ids[10:])
         grow(state, [1], [11])
@@ -204,7 +204,7 @@ def test_a_mixed_step_prefills_and_decodes_as_the_two_steps_apart():
                 torch.cat([v2, vd]),
                 0.3,
                 plan,
-                slot,
+                place,
                 lane,
                 state.policy,
                 positions,
@@ -212,9 +212,9 @@ def test_a_mixed_step_prefills_and_decodes_as_the_two_steps_apart():
         else:
             from sglang_kvsparse.sparse_attention import sparse_decode
 
-            o1 = sparse_extend(q2, k2, v2, 0.3, prefill, prefill.column(slot), lane, state.policy)
+            o1 = sparse_extend(q2, k2, v2, 0.3, prefill, prefill.column(place), lane, state.policy)
             o2 = sparse_decode(
-                qd.view(1, -1, D), kd, vd, 0.3, decode, decode.column(slot), lane, state.policy, torch.tensor([10])
+                qd.view(1, -1, D), kd, vd, 0.3, decode, decode.column(place), lane, state.policy, torch.tensor([10])
             )
             out = torch.cat([o1, o2.view(1, *o1.shape[1:])])
         state.finish_forward()

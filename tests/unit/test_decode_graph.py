@@ -50,9 +50,9 @@ def test_graph_replay_matches_eager_over_hundreds_of_steps_with_evictions():
         live = slice(1, None)  # row 0 is the padding row: padded graph rows write there
         assert torch.allclose(lane_a.k[live], lane_b.k[live]) and torch.allclose(lane_a.v[live], lane_b.v[live])
     group = eager_state.groups[0]
-    for row in group.table.active_rows().tolist():
-        n = group.table.length(row)
-        slots = eager_state.score_slots(group, torch.full((n,), row), torch.arange(n)).reshape(-1)
+    for req_idx in group.table.active_requests().tolist():
+        n = group.table.length(req_idx)
+        slots = eager_state.score_slots(group, torch.full((n,), req_idx), torch.arange(n)).reshape(-1)
         for lane_a, lane_b in zip(eager_state.lanes, replay_state.lanes):
             assert torch.allclose(lane_a.scores[slots], lane_b.scores[slots], atol=1e-6)
 
@@ -62,9 +62,9 @@ def test_buffers_refuse_a_batch_they_cannot_hold():
     buffers = DecodeBuffers(state, 2, "cpu")
     with pytest.raises(ValueError, match="1..2"):
         buffers.plan(3)
-    rows = [1, 2, 3]
-    grow(state, rows, [3, 4, 5])
-    plan_extend(state, rows, [0, 0, 0], [3, 4, 5])
-    grow(state, rows, [4, 5, 6])
+    req_indices = [1, 2, 3]
+    grow(state, req_indices, [3, 4, 5])
+    plan_extend(state, req_indices, [0, 0, 0], [3, 4, 5])
+    grow(state, req_indices, [4, 5, 6])
     with pytest.raises(ValueError, match="exceeds the buffers"):
-        buffers.fill(plan_decode(state, rows))
+        buffers.fill(plan_decode(state, req_indices))

@@ -44,12 +44,12 @@ def window_mass(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def held(state, layer: int, row: int, keys: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
     """Per KV head, the positions request `row` holds in the layer (found by their keys among
     `keys` [L, H, D]), and their stored scores [n, H]."""
-    slot = state.layout.sparse_slots[layer]
-    group, lane = state.groups[slot.group], state.lanes[slot.lane]
+    place = state.layout.layer_places[layer]
+    group, lane = state.groups[place.group], state.lanes[place.lane]
     n = group.table.length(row)
-    stored = lane.k[group.table.entries(row)[:n, slot.column]]
+    stored = lane.k[group.table.entries(row)[:n, place.column]]
     positions = [[int((keys[:, h] == stored[e, h]).all(-1).nonzero().item()) for e in range(n)] for h in range(H_KV)]
-    score_slots = state.score_slots(group, torch.full((n,), row), torch.arange(n))[:, slot.column]
+    score_slots = state.score_slots(group, torch.full((n,), row), torch.arange(n))[:, place.column]
     return positions, lane.scores[score_slots].double()
 
 
@@ -88,15 +88,15 @@ def guided_forward(budgets: list[int], guide_below: float | None):
         length > budget and (budget < guide_below * length if guide_below else True)
         for budget, length in zip(budgets, PROMPTS)
     ]
-    assert plan.column(state.layout.sparse_slots[1]).guided.tolist() == guided
+    assert plan.column(state.layout.layer_places[1]).guided.tolist() == guided
     # Their new tokens wait in heap rows of their own for the forward, one per sparse column.
     waiting = sum(length for length, mine in zip(PROMPTS, guided) if mine)
     assert state.heap.free_rows() == free - waiting * state.layout.num_columns
     assert state.counters.guide_rows_peak == waiting * state.layout.num_columns
     guide = PrefillGuide(state.resolved.guide_layers)
     for layer, (q, k, v) in inputs.items():
-        slot = state.layout.sparse_slots[layer]
-        sparse_extend(q, k, v, SCALE, plan, plan.column(slot), state.lanes[slot.lane], state.policy, layer, guide)
+        place = state.layout.layer_places[layer]
+        sparse_extend(q, k, v, SCALE, plan, plan.column(place), state.lanes[place.lane], state.policy, layer, guide)
     guide.finish()
     state.finish_forward()
     assert state.heap.free_rows() == free  # given back once the forward was issued
@@ -154,8 +154,8 @@ def test_without_a_guide_each_layer_keeps_its_own_best_so_the_layers_differ():
     for layer in state.resolved.sparse_layers:
         q = torch.randn(length, H_KV * G, D, generator=gen)
         k, v = torch.randn(length, H_KV, D, generator=gen), torch.randn(length, H_KV, D, generator=gen)
-        slot = state.layout.sparse_slots[layer]
-        sparse_extend(q, k, v, SCALE, plan, plan.column(slot), state.lanes[slot.lane], state.policy, layer)
+        place = state.layout.layer_places[layer]
+        sparse_extend(q, k, v, SCALE, plan, plan.column(place), state.lanes[place.lane], state.policy, layer)
         kept.append(held(state, layer, 1, k)[0])
     state.finish_forward()
     assert len({str(k) for k in kept}) > 1

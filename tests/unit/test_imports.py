@@ -119,3 +119,32 @@ def test_every_core_module_stays_small() -> None:
     core = {name: path for name, path in project_modules().items() if not name.startswith("sglang_kvsparse.kernels")}
     long = {name: n for name, path in core.items() if (n := len(path.read_text().splitlines())) > MODULE_LINES}
     assert not long, f"modules over {MODULE_LINES} lines (split them by job): {long}"
+
+
+#: Names that meant a request index or a layer's place before the rename (`docs/architecture.md`,
+#: "Words"): a request index is `req_idx` / `req_indices`, a sparse layer's place a `LayerPlace`.
+#: (`req` stays SGLang's request object in the patches.)
+RETIRED_NAMES = {"row", "slot", "RowTable", "SparseSlot", "sparse_slots", "running_rows", "row_budget"}
+
+
+def test_retired_words_are_gone_and_the_glossary_names_the_new_ones() -> None:
+    """No argument, variable, attribute or class of the product's code is named as a request index
+    or a layer's place was before (`row` held both a request index and a heap row). The Triton
+    kernels keep their own words for their program axes (`req`, `slot`: `docs/kernels.md`)."""
+    found = []
+    for name, path in project_modules().items():
+        if name.startswith("sglang_kvsparse.kernels"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.arg):
+                names = [node.arg]
+            elif isinstance(node, ast.Name | ast.Attribute):
+                names = [node.id if isinstance(node, ast.Name) else node.attr]
+            elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+                names = [node.name]
+            found += [(name, n, node.lineno) for n in names if n in RETIRED_NAMES]
+    assert not found, found
+    words = (ROOT / "docs" / "architecture.md").read_text().split("## Words", 1)[1].split("\n## ", 1)[0]
+    for word in ("| heap row |", "| request index (`req_idx`) |", "| place (`LayerPlace`) |", "| slot |"):
+        assert word in words, word

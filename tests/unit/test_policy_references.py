@@ -135,15 +135,15 @@ class Row:
             num_layers=2, full_layers=(0,), budget=BUDGET, window=WINDOW, evict_page=EVICT_PAGE, policy=policy
         )
         self.state.expect([1], [final_length])
-        slot = self.state.layout.sparse_slots[1]
-        self.slot, self.lane, self.group = slot, self.state.lanes[slot.lane], self.state.groups[slot.group]
+        place = self.state.layout.layer_places[1]
+        self.place, self.lane, self.group = place, self.state.lanes[place.lane], self.state.groups[place.group]
 
     def held(self, keys: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
         """Per KV head, the positions the row holds in entry order (found by their keys among
         `keys` [L, H, D]), and their stored scores [n, H] in float64."""
         n = self.group.table.length(1)
-        rows = self.group.table.entries(1)[:n, self.slot.column]
-        score_slots = self.state.score_slots(self.group, torch.full((n,), 1), torch.arange(n))[:, self.slot.column]
+        rows = self.group.table.entries(1)[:n, self.place.column]
+        score_slots = self.state.score_slots(self.group, torch.full((n,), 1), torch.arange(n))[:, self.place.column]
         stored = self.lane.k[rows]
         positions = [
             [int((keys[:, h] == stored[e, h]).all(-1).nonzero().item()) for e in range(n)] for h in range(H_KV)
@@ -167,7 +167,7 @@ def test_policy_keeps_what_its_float64_computation_keeps(name, prompt):
     # decoded ones, when the prompt fits the budget).
     grow(row.state, [1], [prompt])
     plan = plan_extend(row.state, [1], [0], [prompt])
-    sparse_extend(q[:prompt], keys[:prompt], values[:prompt], SCALE, plan, plan.column(row.slot), row.lane, policy)
+    sparse_extend(q[:prompt], keys[:prompt], values[:prompt], SCALE, plan, plan.column(row.place), row.lane, policy)
     row.state.finish_forward()
     if prompt > BUDGET:
         want = hand.prefill(probabilities(q[:prompt], keys[:prompt]), keys[:prompt], knobs)
@@ -192,7 +192,7 @@ def test_policy_keeps_what_its_float64_computation_keeps(name, prompt):
             values[position : position + 1],
             SCALE,
             plan,
-            plan.column(row.slot),
+            plan.column(row.place),
             row.lane,
             policy,
             torch.tensor([position]),
@@ -249,7 +249,7 @@ def test_span_keeps_whole_sentences_as_its_float64_computation_says(share, sente
     row = Row(policy, prompt)
     grow(row.state, [1], [prompt])
     plan = dataclasses.replace(plan_extend(row.state, [1], [0], [prompt]), sentence_ends=ends)
-    sparse_extend(q, keys, values, SCALE, plan, plan.column(row.slot), row.lane, policy)
+    sparse_extend(q, keys, values, SCALE, plan, plan.column(row.place), row.lane, policy)
     row.state.finish_forward()
     plain = span(probabilities(q, keys), keys, knobs)
     assert BUDGET / prompt == 0.4

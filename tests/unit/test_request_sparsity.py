@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from sglang_kvsparse.admission import row_rows_to_hold
+from sglang_kvsparse.admission import request_rows_to_hold
 from sglang_kvsparse.config import SparsityConfig, SparsityConfigError, parse_config
 from sglang_kvsparse.decode_graph import DecodeBuffers
 from sglang_kvsparse.planning import plan_decode, plan_extend
@@ -34,14 +34,14 @@ RESOLVED = SparsityConfig(
 def test_a_request_without_a_setting_keeps_the_servers():
     for params in (None, {}, {"other": 1}, {"kvsparse": None}):
         assert parse_request(params, RESOLVED) == SERVER_SETTING
-    assert SERVER_SETTING.label == "server" and SERVER_SETTING.row_budget(RESOLVED) == 0
+    assert SERVER_SETTING.label == "server" and SERVER_SETTING.own_budget(RESOLVED) == 0
 
 
 def test_a_request_asks_for_its_own_budget_or_for_no_sparsity():
     own = parse_request({"kvsparse": {"budget": 20}}, RESOLVED)
-    assert (own.label, own.row_budget(RESOLVED)) == ("budget 20", 20)
+    assert (own.label, own.own_budget(RESOLVED)) == ("budget 20", 20)
     off = check_request({"kvsparse": {"enabled": False}}, 400, 112, RESOLVED)
-    assert (off.label, off.row_budget(RESOLVED)) == ("off", 512)  # every token of a 512-token request
+    assert (off.label, off.own_budget(RESOLVED)) == ("off", 512)  # every token of a 512-token request
     assert parse_request({"kvsparse": {"enabled": True}}, RESOLVED) == SERVER_SETTING
     both = parse_request({"kvsparse": {"budget": 30, "policy": {"name": "span", "follow": 32}}}, RESOLVED)
     assert both == RequestSparsity(budget=30, policy=SpanPolicy(follow=32))
@@ -131,23 +131,23 @@ def test_max_request_budget_is_validated_and_round_trips():
         parse_config(max_request_budget="lots")
 
 
-def forward_prefill(state, rows, lengths):
-    plan = plan_extend(state, rows, [0] * len(rows), lengths)
+def forward_prefill(state, req_indices, lengths):
+    plan = plan_extend(state, req_indices, [0] * len(req_indices), lengths)
     total = sum(lengths)
     q, k, v = torch.randn(total, H_KV * G, D), torch.randn(total, H_KV, D), torch.randn(total, H_KV, D)
-    for slot in state.layout.sparse_slots.values():
-        sparse_extend(q, k, v, 0.3, plan, plan.column(slot), state.lanes[slot.lane], state.policy)
+    for place in state.layout.layer_places.values():
+        sparse_extend(q, k, v, 0.3, plan, plan.column(place), state.lanes[place.lane], state.policy)
     state.finish_forward()
     return plan
 
 
-def forward_decode(state, rows, positions):
-    plan = plan_decode(state, rows)
+def forward_decode(state, req_indices, positions):
+    plan = plan_decode(state, req_indices)
     evict_planned(plan, state.layout, state.lanes, state.policy)
-    n = len(rows)
+    n = len(req_indices)
     q, k, v = torch.randn(n, H_KV * G, D), torch.randn(n, H_KV, D), torch.randn(n, H_KV, D)
-    for slot in state.layout.sparse_slots.values():
-        sparse_decode(q, k, v, 0.3, plan, plan.column(slot), state.lanes[slot.lane], state.policy, positions)
+    for place in state.layout.layer_places.values():
+        sparse_decode(q, k, v, 0.3, plan, plan.column(place), state.lanes[place.lane], state.policy, positions)
     state.finish_forward()
     return plan
 
@@ -160,31 +160,31 @@ def test_requests_with_different_settings_in_one_batch_each_keep_their_own():
     state, heap = make_state(context=64, budget=8, window=2, evict_page=16, rows=512, max_request_budget=40)
     group = state.groups[0]
     settings = [SERVER_SETTING, RequestSparsity(budget=12), RequestSparsity(enabled=False)]
-    rows, prompt = [1, 2, 3], 20
-    state.expect(rows, [40, 40, 30], [prompt] * 3, settings)
+    req_indices, prompt = [1, 2, 3], 20
+    state.expect(req_indices, [40, 40, 30], [prompt] * 3, settings)
     # Charged before any row is taken: entries up to budget + evict_page, and scores (8 a row) if it evicts.
-    charges = [row_rows_to_hold(state, row, final) for row, final in zip(rows, [40, 40, 30])]
+    charges = [request_rows_to_hold(state, req_idx, final) for req_idx, final in zip(req_indices, [40, 40, 30])]
     assert charges == [3 * (24 + 3), 3 * (28 + 4), 3 * 30]
-    grow(state, rows, [prompt] * 3)
-    assert group.table.lengths[rows].tolist() == [8, 12, 20]
-    assert [state.rows_held(row) for row in rows] == [3 * (8 + 3), 3 * (12 + 4), 3 * 20]
+    grow(state, req_indices, [prompt] * 3)
+    assert group.table.lengths[req_indices].tolist() == [8, 12, 20]
+    assert [state.rows_held(req_idx) for req_idx in req_indices] == [3 * (8 + 3), 3 * (12 + 4), 3 * 20]
     assert state.own_settings_running() == {(12, None), (40, None)}  # off keeps the largest request budget
-    plan = forward_prefill(state, rows, [prompt] * 3)
-    column = plan.column(state.layout.sparse_slots[1])
+    plan = forward_prefill(state, req_indices, [prompt] * 3)
+    column = plan.column(state.layout.layer_places[1])
     assert column.compress and column.budgets.tolist() == [8, 12, 40]
 
-    lengths = {row: prompt for row in rows}
+    lengths = {req_idx: prompt for req_idx in req_indices}
     for step in range(17):
-        decoding = [row for row in rows if lengths[row] < (30 if row == 3 else 40)]
-        grow(state, decoding, [lengths[row] + 1 for row in decoding])
-        plan = forward_decode(state, decoding, torch.tensor([lengths[row] for row in decoding]))
+        decoding = [req_idx for req_idx in req_indices if lengths[req_idx] < (30 if req_idx == 3 else 40)]
+        grow(state, decoding, [lengths[req_idx] + 1 for req_idx in decoding])
+        plan = forward_decode(state, decoding, torch.tensor([lengths[req_idx] for req_idx in decoding]))
         evictions = plan.evictions
         if step < 16:  # rows 1 and 2 fill up to 24 and 28 entries, row 3 holds all it has
             assert not evictions
         else:  # both evict in the same step, each back to its own budget
             assert sorted((e.budget, e.slots.shape[2]) for e in evictions) == [(8, 24), (12, 28)]
-        for row in decoding:
-            lengths[row] += 1
+        for req_idx in decoding:
+            lengths[req_idx] += 1
         if lengths[3] == 30 and bool(state.requests.running()[3]):
             assert group.table.length(3) == 30  # off: every token, never a score row
             assert state.rows_held(3) == 3 * 30
@@ -224,37 +224,37 @@ class LowestFirst(SnapKVPolicy):
         return -scores
 
 
-def run_requests(state, rows, settings, prompts, steps):
+def run_requests(state, req_indices, settings, prompts, steps):
     """Prefill `prompts` ([L, ...] q/k/v per request) as one batch, then decode them `steps` times
     together (inputs of step t: row t of each request's `steps` decode inputs)."""
     lengths = [prompt[0].shape[0] for prompt in prompts]
-    state.expect(rows, [n + len(steps[0][0]) for n in lengths], lengths, settings)
-    grow(state, rows, lengths)
-    plan = plan_extend(state, rows, [0] * len(rows), lengths)
+    state.expect(req_indices, [n + len(steps[0][0]) for n in lengths], lengths, settings)
+    grow(state, req_indices, lengths)
+    plan = plan_extend(state, req_indices, [0] * len(req_indices), lengths)
     q, k, v = (torch.cat([prompt[i] for prompt in prompts]) for i in range(3))
-    for slot in state.layout.sparse_slots.values():
-        sparse_extend(q, k, v, 0.3, plan, plan.column(slot), state.lanes[slot.lane], state.policy)
+    for place in state.layout.layer_places.values():
+        sparse_extend(q, k, v, 0.3, plan, plan.column(place), state.lanes[place.lane], state.policy)
     state.finish_forward()
     for t in range(len(steps[0][0])):
-        grow(state, rows, [n + t + 1 for n in lengths])
-        plan = plan_decode(state, rows)
+        grow(state, req_indices, [n + t + 1 for n in lengths])
+        plan = plan_decode(state, req_indices)
         evict_planned(plan, state.layout, state.lanes, state.policy)
         q, k, v = (torch.stack([step[i][t] for step in steps]) for i in range(3))
         positions = torch.tensor([n + t for n in lengths])
-        for slot in state.layout.sparse_slots.values():
-            sparse_decode(q, k, v, 0.3, plan, plan.column(slot), state.lanes[slot.lane], state.policy, positions)
+        for place in state.layout.layer_places.values():
+            sparse_decode(q, k, v, 0.3, plan, plan.column(place), state.lanes[place.lane], state.policy, positions)
         state.finish_forward()
 
 
-def kept(state, row):
-    """Per sparse layer: the K and the scores of the row's entries, in position order."""
+def kept(state, req_idx):
+    """Per sparse layer: the K and the scores of the req_idx's entries, in position order."""
     group = state.groups[0]
-    n = group.table.length(row)
+    n = group.table.length(req_idx)
     held = []
-    for slot in state.layout.sparse_slots.values():
-        lane = state.lanes[slot.lane]
-        entries = group.table.entries(row)[:, slot.column]
-        scores = state.score_slots(group, torch.full((n,), row), torch.arange(n))[:, slot.column]
+    for place in state.layout.layer_places.values():
+        lane = state.lanes[place.lane]
+        entries = group.table.entries(req_idx)[:, place.column]
+        scores = state.score_slots(group, torch.full((n,), req_idx), torch.arange(n))[:, place.column]
         held.append((lane.k[entries].clone(), lane.scores[scores].clone()))
     return held
 
@@ -276,11 +276,11 @@ def test_a_request_with_its_own_policy_keeps_what_a_server_of_that_policy_keeps(
     settings = [RequestSparsity(policy=policy) for policy in own]
     run_requests(mixed, [1, 2, 3], settings, prompts, steps)
     assert sum(collect(mixed, 0).requests_by_setting.values()) == 3
-    for row, policy, prompt, step in zip([1, 2, 3], own, prompts, steps):
+    for req_idx, policy, prompt, step in zip([1, 2, 3], own, prompts, steps):
         alone, _ = make_state(policy=policy or server, **options)
         run_requests(alone, [1], [SERVER_SETTING], [prompt], [step])
-        assert mixed.groups[0].table.length(row) == alone.groups[0].table.length(1) == 8 + 20 - 16  # evicted once
-        for (k_mixed, s_mixed), (k_alone, s_alone) in zip(kept(mixed, row), kept(alone, 1)):
+        assert mixed.groups[0].table.length(req_idx) == alone.groups[0].table.length(1) == 8 + 20 - 16  # evicted once
+        for (k_mixed, s_mixed), (k_alone, s_alone) in zip(kept(mixed, req_idx), kept(alone, 1)):
             torch.testing.assert_close(k_mixed, k_alone, rtol=0, atol=0)
             torch.testing.assert_close(s_mixed, s_alone, rtol=1e-5, atol=1e-6)
 

@@ -7,11 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_kvsparse import kernels
+from sglang_kvsparse.entry_table import HeapError, HeapExhausted
 from sglang_kvsparse.planning import plan_decode, plan_extend
 from sglang_kvsparse.policies import PrefillScoringInputs
 from sglang_kvsparse.request_sparsity import SERVER_SETTING, RequestSparsity
 from sglang_kvsparse.request_table import Phase
-from sglang_kvsparse.row_table import HeapError, HeapExhausted
 from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
 from sglang_kvsparse.stats import collect
 
@@ -21,21 +21,21 @@ G = 3  # query heads per KV head
 
 
 def lane_of(state, layer):
-    slot = state.layout.sparse_slots[layer]
-    return state.lanes[slot.lane], slot
+    place = state.layout.layer_places[layer]
+    return state.lanes[place.lane], place
 
 
 def entries(state, row, layer):
     """The row's heap rows in `layer`'s column."""
-    slot = state.layout.sparse_slots[layer]
-    return state.groups[slot.group].table.entries(row)[:, slot.column]
+    place = state.layout.layer_places[layer]
+    return state.groups[place.group].table.entries(row)[:, place.column]
 
 
 def score_slots(state, row, layer, n):
     """The score slots of the row's first n entries in `layer`'s column."""
-    slot = state.layout.sparse_slots[layer]
-    group = state.groups[slot.group]
-    return state.score_slots(group, torch.full((n,), row), torch.arange(n))[:, slot.column]
+    place = state.layout.layer_places[layer]
+    group = state.groups[place.group]
+    return state.score_slots(group, torch.full((n,), row), torch.arange(n))[:, place.column]
 
 
 def dense_attention(q, k, v, scale, causal):
@@ -112,7 +112,7 @@ def test_a_step_evicts_every_layer_on_every_lane_as_each_layer_alone_would():
         assert not plan_decode(state, rows).evictions
         state.finish_forward()
     before = {}
-    for layer in state.layout.sparse_slots:
+    for layer in state.layout.layer_places:
         lane, _ = lane_of(state, layer)
         for row in rows:
             old = entries(state, row, layer)
@@ -145,7 +145,7 @@ def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries
     budget, sink, window, evict_page = 8, 1, 2, 4
     state, heap = make_state(budget=budget, window=window, evict_page=evict_page)
     table = state.groups[0].table
-    lane, slot = lane_of(state, 1)
+    lane, place = lane_of(state, 1)
     grow(state, [1, 2], [20, 3])
     for n in range(1, evict_page + 1):  # row 1 grows to budget + evict_page entries
         grow(state, [1, 2], [20 + n, 3 + n])
@@ -166,7 +166,7 @@ def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries
     # The evicted pages stay out of the heap until the forward that reads them was issued.
     assert heap.free_rows() == free_before - 2 * 3 and state.deferred_rows() == evict_page * 3
     plan = plan_decode(state, [1, 2])
-    column = plan.column(slot)
+    column = plan.column(place)
     (eviction,) = plan.evictions
     assert eviction.budget == budget and eviction.slots.shape == (3, 1, budget + evict_page)
     qd, kd, vd = torch.randn(2, H_KV * G, D), torch.randn(2, H_KV, D), torch.randn(2, H_KV, D)
@@ -208,10 +208,10 @@ def test_sparse_forward_matches_dense_attention_and_stores_kv():
     lengths = [5, 3]
     grow(state, [1, 2], lengths)
     plan = plan_extend(state, [1, 2], [0, 0], lengths)
-    lane, slot = lane_of(state, 2)
+    lane, place = lane_of(state, 2)
     total = sum(lengths)
     q, k, v = torch.randn(total, H_KV * G, D), torch.randn(total, H_KV, D), torch.randn(total, H_KV, D)
-    o = sparse_extend(q, k, v, 0.3, plan, plan.column(slot), lane, state.policy)
+    o = sparse_extend(q, k, v, 0.3, plan, plan.column(place), lane, state.policy)
     assert torch.allclose(o[:5].double(), dense_attention(q[:5], k[:5], v[:5], 0.3, True), atol=1e-5)
     assert torch.allclose(o[5:].double(), dense_attention(q[5:], k[5:], v[5:], 0.3, True), atol=1e-5)
     assert torch.equal(lane.k[entries(state, 2, 2)], k[5:])
@@ -219,7 +219,7 @@ def test_sparse_forward_matches_dense_attention_and_stores_kv():
     grow(state, [1, 2], [6, 4])
     plan = plan_decode(state, [1, 2])
     qd, kd, vd = torch.randn(2, H_KV * G, D), torch.randn(2, H_KV, D), torch.randn(2, H_KV, D)
-    od = sparse_decode(qd, kd, vd, 0.3, plan, plan.column(slot), lane, state.policy, torch.tensor([5, 3]))
+    od = sparse_decode(qd, kd, vd, 0.3, plan, plan.column(place), lane, state.policy, torch.tensor([5, 3]))
     keys = torch.cat([k[5:], kd[1:]])
     values = torch.cat([v[5:], vd[1:]])
     assert torch.allclose(od[1:].double(), dense_attention(qd[1:], keys, values, 0.3, False), atol=1e-5)
@@ -234,8 +234,8 @@ def test_prefill_compression_keeps_protected_and_best_scored_keys_per_head():
     lengths = [5, 20]  # the first fits its budget, the second is compressed to 8
     grow(state, [1, 2], lengths)
     plan = plan_extend(state, [1, 2], [0, 0], lengths)
-    lane, slot = lane_of(state, 1)
-    column = plan.column(slot)
+    lane, place = lane_of(state, 1)
+    column = plan.column(place)
     assert column.compress and column.budgets.tolist() == [budget, budget]
     total = sum(lengths)
     q, k, v = torch.randn(total, H_KV * G, D), torch.randn(total, H_KV, D), torch.randn(total, H_KV, D)
@@ -284,8 +284,8 @@ def prefill(state, rows, prefix_lens, extend_lens, prefix_ids, new_ids, q, k, v,
     """Allocate and run one sparse layer's prefill (the backend's order: alloc, plan, forward)."""
     grow(state, rows, [p + e for p, e in zip(prefix_lens, extend_lens)])
     plan = plan_extend(state, rows, prefix_lens, extend_lens, prefix_ids, new_ids)
-    lane, slot = lane_of(state, layer)
-    out = sparse_extend(q, k, v, 0.3, plan, plan.column(slot), lane, state.policy)
+    lane, place = lane_of(state, layer)
+    out = sparse_extend(q, k, v, 0.3, plan, plan.column(place), lane, state.policy)
     return out
 
 

@@ -1,0 +1,68 @@
+"""A forward's state changes happen in its named step (`forward_step.begin_extend` /
+`begin_decode`); building its plan (`planning.build_extend` / `build_decode`) only reads the
+host state (it brings the device mirrors up to date, which no host decision reads)."""
+
+import dataclasses
+
+import torch
+
+from sglang_kvsparse.forward_step import begin_decode, begin_extend
+from sglang_kvsparse.planning import build_decode, build_extend
+from sglang_kvsparse.request_table import Phase
+
+from .heap import grow, make_state
+
+
+def host_state(state, heap) -> dict:
+    """Everything a host decision of the sparse layers reads, copied."""
+    requests = state.requests
+    store = state.store
+    return {
+        "counters": dataclasses.asdict(state.counters),
+        "requests": [t.clone() for t in (requests.length, requests.final_len, requests.budget, requests.phase)],
+        "held": {i: b.clone() for i, b in requests.held.items()},
+        "tables": [(g.table.table.clone(), g.table.lengths.clone(), g.score_table.clone()) for g in state.groups],
+        "evictions": [sorted(g.evictions) for g in state.groups],
+        "free": heap.free_rows(),
+        "deferred": state.deferred_rows(),
+        "store": None if store is None else (store.entry_of.clone(), store.pins.clone(), store.holds.clone()),
+    }
+
+
+def assert_same(before: dict, after: dict) -> None:
+    assert before.keys() == after.keys()
+    for key in before:
+        a, b = before[key], after[key]
+        flat_a = torch.utils._pytree.tree_flatten(a)[0]
+        flat_b = torch.utils._pytree.tree_flatten(b)[0]
+        assert len(flat_a) == len(flat_b), key
+        for x, y in zip(flat_a, flat_b):
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, key
+
+
+def test_the_step_changes_the_state_and_the_plan_only_reads_it():
+    # A guided prefill with a prefix store (its new tokens wait in rows of their own), a chunk
+    # before a prompt's last (stored and held), then decode steps up to an eviction.
+    state, heap = make_state(context=128, budget=8, evict_page=4, rows=1024, prefix_cache=True, guide_from=0.5)
+    state.expect([1, 2], [60, 60], [40, 40])
+    grow(state, [1, 2], [40, 16])  # request 2 prefills a first chunk of 16 tokens
+    new_ids = torch.arange(1, 57)
+    before_step = host_state(state, heap)
+    step = begin_extend(state, [1, 2], [0, 0], [40, 16], [torch.empty(0), torch.empty(0)], new_ids)
+    after_step = host_state(state, heap)
+    assert step.partial.tolist() == [False, True] and len(step.work_rows) == state.layout.num_columns
+    assert state.requests.is_(Phase.DECODING, torch.tensor([1, 2])).tolist() == [True, False]
+    assert after_step["deferred"] > before_step["deferred"]  # the guide's rows, back after the forward
+    assert 2 in state.requests.held  # the chunk's store blocks, held for its next chunk
+    build_extend(state, step)
+    assert_same(after_step, host_state(state, heap))
+    state.finish_forward()
+    for length in range(41, 54):
+        grow(state, [1], [length])
+        evicting = begin_decode(state, [1])
+        before_plan = host_state(state, heap)
+        plan = build_decode(state, [1], evicting)
+        assert_same(before_plan, host_state(state, heap))
+        assert len(plan.evictions) == len(evicting)
+        state.finish_forward()
+    assert state.counters.evictions > 0
