@@ -39,7 +39,6 @@ from sglang_kvsparse.config import PRESETS  # noqa: E402
 DEFAULT = PRESETS["default"]
 #: A policy knob of the default at its neutral value: the default without what the knob adds.
 POLICY_VARIANTS: dict[str, dict[str, Any]] = {
-    "no follow (follow 0)": {"follow": 0},
     "no long follow (long_places 0)": {"long_places": 0},
     "no sentences (sentence 0)": {"sentence": 0.0},
     "sentences at every budget (sentence_from 0)": {"sentence_from": 0.0},

@@ -62,7 +62,6 @@ def expensive_settings(preset: str) -> list[dict[str, Any]]:
     knobs = {
         "snapkv": {"pool_kind": "avg", "pool_kernel": WIDEST_POOL},
         "span": {
-            "follow": LONGEST_FOLLOW,
             "long_follow": LONGEST_FOLLOW,
             "long_places": MOST_PLACES,
             "sentence_keys": LONGEST_SENTENCE,

@@ -18,7 +18,7 @@ its verdicts matched the server's prompt for prompt (`selection-probe-2026-12-03
 Writes ``<out-dir>/selection-probe[-<tag>]-<date>.json`` and ``.md``.
 
 Usage: .venv/bin/python bench/selection_probe.py [--budgets 128,256] [--guide-from 0.33]
-       [--follow 8] [--long-follow 40] [--long-places 1] [--sentence 0.5] [--seeds 0,1,2]
+       [--long-follow 40] [--long-places 1] [--sentence 0.5] [--seeds 0,1,2]
        [--lengths 2000,3000]
        [--prompts ruler-multikey-2000-1,...] [--tag TAG]
 """
@@ -219,7 +219,7 @@ def markdown(report: dict[str, Any]) -> str:
         provenance_line(report),
         "",
         f"- Machine: {report['machine']}; Hugging Face transformers, fp32, no server",
-        f"- Policy `span` (follow {report['settings']['follow']}, long_follow {report['settings']['long_follow']} "
+        f"- Policy `span` (long_follow {report['settings']['long_follow']} "
         f"at {report['settings']['long_places']} place(s), "
         f"sentence {report['settings']['sentence']} from a budget of {report['settings']['sentence_from']} "
         "of the prompt), "
@@ -253,7 +253,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budgets", default="128,256")
     parser.add_argument("--guide-from", type=float, default=DEFAULT.guide_from)
-    parser.add_argument("--follow", type=int, default=DEFAULT.policy.follow)
     parser.add_argument("--long-follow", type=int, default=DEFAULT.policy.long_follow)
     parser.add_argument("--long-places", type=int, default=DEFAULT.policy.long_places)
     parser.add_argument("--sentence", type=float, default=DEFAULT.policy.sentence)
@@ -293,7 +292,6 @@ def main(argv: list[str] | None = None) -> int:
             "budgets": budgets,
             "seeds": seeds,
             "lengths": lengths,
-            "follow": args.follow,
             "long_follow": args.long_follow,
             "long_places": args.long_places,
             "sentence": args.sentence,
@@ -304,7 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     policy = dataclasses.replace(
         DEFAULT.policy,
-        follow=args.follow,
         long_follow=args.long_follow,
         long_places=args.long_places,
         sentence=args.sentence,

@@ -6,7 +6,7 @@ scheduler:
 
 * ``{"kvsparse": {"budget": N}}``: every sparse layer keeps N entries for this request, in place of
   the server's budgets (sink + window <= N <= the server's `max_request_budget`);
-* ``{"kvsparse": {"policy": "h2o"}}`` (or ``{"name": "span", "follow": 32}``, as in the server's
+* ``{"kvsparse": {"policy": "h2o"}}`` (or ``{"name": "span", "long_follow": 32}``, as in the server's
   configuration): this request's keys are scored, kept and evicted by that policy, in its own
   units, whatever the server's policy is; with or without a budget;
 * ``{"kvsparse": {"enabled": false}}``: the request keeps every token in every layer, as in stock

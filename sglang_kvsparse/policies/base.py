@@ -87,9 +87,9 @@ class ScoringPolicy(ABC):
         return None
 
     def eviction_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        """What a decode eviction ranks, from the stored scores [R, n, H_kv] of R rows of n
-        entries each (a request's entries in one layer, in position order; an eviction's rows are
-        all full). Default: the scores as stored."""
+        """What a decode eviction ranks, from the stored scores [R, n, H_kv] of R requests' n
+        entries each (a request's entries in one layer, in position order; an evicting request's
+        entries are all there). Default: the scores as stored."""
         return scores
 
     def options(self) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Span: the observation window's attention, and a kept key keeps the keys that follow it, so
-many-token answers survive."""
+"""Span: the observation window's attention, and a request's best places keep the keys that
+follow them, so many-token answers survive."""
 
 from __future__ import annotations
 
@@ -22,31 +22,25 @@ LONGEST_SENTENCE = 1024
 
 @dataclass(frozen=True)
 class SpanPolicy(ScoringPolicy):
-    """The observation window's attention (SnapKV's scores without its pooling), then each key
-    raised to the best of the `follow` keys before it: a question's attention lands on the first
-    token of an answer (a 7-digit number, a UUID), and the tokens after it come along, where
-    SnapKV's centred pooling keeps only half its width of them. The `long_places` best places of
-    a request's text (per KV head: keys scoring highest within `long_follow` keys either side,
-    past the sink and at least `long_follow` keys before the observation window, whose own text
-    draws local attention) bring `long_follow` keys along instead. Decode adds each step's
-    attention (H2O-style); an eviction ranks a row's entries spread by `follow` (over the row's
-    entries, which are in position order; a long place's followers already carry its score from
-    the prefill). Last, where the server knows the prompt's tokens and the request's budget is at
-    least `sentence_from` of its length (a share, as the guide's `guide_below`), each key is
-    raised to `sentence` times the best score of its sentence (`sglang_kvsparse.sentences`;
-    sentences longer than `sentence_keys` keys are cut), so that a fact is kept with the words
-    that say what it is.
+    """The observation window's attention (SnapKV's scores without its pooling); the
+    `long_places` best places of a request's text (per KV head: keys scoring highest within
+    `long_follow` keys either side, past the sink and at least `long_follow` keys before the
+    observation window, whose own text draws local attention) raise the `long_follow` keys after
+    them to their score: a question's attention lands on the first token of an answer (a UUID, a
+    number) and the tokens after it come along. Decode adds each step's attention (H2O-style).
+    Last, where the server knows the prompt's tokens and the request's budget is at least
+    `sentence_from` of its length (a share, as the guide's `guide_below`), each key is raised to
+    `sentence` times the best score of its sentence (`sglang_kvsparse.sentences`; sentences longer
+    than `sentence_keys` keys are cut), so that a fact is kept with the words that say what it is.
 
-    Defaults: `follow` 8 covers a 7-digit answer after the word the question lands on and leaves
-    room for more candidates at tight budgets; one place with `long_follow` 40 covers a UUID (in
-    SmolLM2's tokenizer, digit by digit) where a long follow everywhere crowds other answers out;
-    `sentence` 0.5 from a budget of 0.07 of the request keeps a fact with its sentence where there
-    is room for it. They were chosen on the RULER-style prompts of seeds 0-2, in SmolLM2's token
-    counts (`docs/experiments/2026-12-04-default-knobs.md`); what each earns on prompts it was not
-    chosen on: `docs/config.md`.
+    Defaults: one place with `long_follow` 40 covers a UUID (in SmolLM2's tokenizer, digit by
+    digit) where a long follow everywhere crowds other answers out; `sentence` 0.5 from a budget of
+    0.07 of the request keeps a fact with its sentence where there is room for it. They were
+    chosen on the RULER-style prompts of seeds 0-2, in SmolLM2's token counts
+    (`docs/experiments/2026-12-04-default-knobs.md`); what each earns on prompts it was not chosen
+    on: `docs/config.md`.
     """
 
-    follow: int = 8
     long_follow: int = 40
     long_places: int = 1
     sentence: float = 0.5
@@ -55,7 +49,6 @@ class SpanPolicy(ScoringPolicy):
     name = "span"
 
     def __post_init__(self) -> None:
-        require_count("follow", self.follow, 0, LONGEST_FOLLOW)
         require_count("long_follow", self.long_follow, 0, LONGEST_FOLLOW)
         require_count("long_places", self.long_places, 0, MOST_PLACES)
         require_share("sentence", self.sentence)
@@ -93,18 +86,9 @@ class SpanPolicy(ScoringPolicy):
     def spread(self, attention: torch.Tensor, kv_indptr: torch.Tensor, sink: int, window: int) -> torch.Tensor:
         """`span`'s scores from the window's attention [total_kv, H_kv] (requests bounded by
         `kv_indptr`; `sink` and `window` as the selection protects them)."""
-        spread = spread_scores(attention, kv_indptr, self.follow)
-        if not self.long_places or self.long_follow <= self.follow:
-            return spread
+        if not self.long_places or not self.long_follow:
+            return attention
         best = best_places(attention, kv_indptr, self.long_places, self.long_follow, sink, window + self.long_follow)
-        # Attention mass is >= 0, so 0 leaves every other key to its `follow` spread.
+        # Attention mass is >= 0, so 0 leaves every other key to its own score.
         longer = spread_scores(torch.where(best, attention, 0.0), kv_indptr, self.long_follow)
-        return torch.maximum(spread, longer)
-
-    def eviction_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        """Each entry raised to the best of the `follow` entries before it in its row, as at
-        prefill (`spread_scores`): one sliding max over rows of equal length."""
-        if not self.follow:
-            return scores
-        rows = torch.nn.functional.pad(scores.transpose(1, 2), (self.follow, 0), value=float("-inf"))
-        return torch.nn.functional.max_pool1d(rows, self.follow + 1, stride=1).transpose(1, 2)
+        return torch.maximum(attention, longer)

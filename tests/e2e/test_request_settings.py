@@ -111,8 +111,8 @@ def test_a_running_request_holds_what_its_own_setting_keeps(evicting_server):
             "custom_params.kvsparse.policy.pool_kernel: expected an integer from 1 to 127, got 20001",
         ),
         (
-            {"kvsparse": {"policy": {"name": "span", "follow": 10**30}}},
-            "custom_params.kvsparse.policy.follow: expected an integer from 0 to 256, got 1",  # 1e+30 over HTTP
+            {"kvsparse": {"policy": {"name": "span", "long_follow": 10**30}}},
+            "custom_params.kvsparse.policy.long_follow: expected an integer from 0 to 256, got 1",  # 1e+30 over HTTP
         ),
     ],
 )

@@ -186,8 +186,8 @@ def test_direct_construction_is_validated_and_normalized():
         SnapKVPolicy(pool_kernel=4)
     with pytest.raises(ValueError, match="pool_kernel: expected an integer from 1 to 127, got 20001"):
         SnapKVPolicy(pool_kernel=20001)
-    with pytest.raises(ValueError, match="follow: expected an integer from 0 to 256, got 1000000000000000000000"):
-        SpanPolicy(follow=10**21)
+    with pytest.raises(ValueError, match="long_follow: expected an integer from 0 to 256, got 1000000000000000000000"):
+        SpanPolicy(long_follow=10**21)
     with pytest.raises(TypeError, match="reach"):  # removed: no measurement earned it
         SnapKVPolicy(reach=16)
     with pytest.raises(ValueError, match="long_follow: expected an integer from 0 to 256"):
@@ -228,7 +228,7 @@ def test_known_policies_and_describe():
     assert parse_config('{"policy": "streamingllm"}').policy == StreamingLLMPolicy()
     assert "snapkv (pool_kind max, pool_kernel 15)" in PRESETS["snapkv"].describe()
     assert (
-        "span (follow 8, long_follow 40, long_places 1,"
+        "span (long_follow 40, long_places 1,"
         " sentence 0.5, sentence_keys 64, sentence_from 0.07)" in PRESETS["default"].describe()
     )
     assert "pyramid" in PRESETS["pyramidkv"].describe()

@@ -33,7 +33,7 @@ STEPS = 22
 #: Small knobs so that pooling and spreading show at these lengths.
 KNOBS: dict[str, dict] = {
     "snapkv": {"pool_kernel": 3},
-    "span": {"follow": 2, "long_follow": 4, "long_places": 1},
+    "span": {"long_follow": 4, "long_places": 1},
 }
 
 
@@ -75,9 +75,9 @@ def snapkv(probs, keys, knobs):
 
 
 def span(probs, keys, knobs):
-    """The window's mass (unpooled) spread `follow` keys forward; per head, the best local maximum
-    (within `long_follow` keys either side) past the sink and `long_follow` keys before the window
-    spread `long_follow` keys forward."""
+    """The window's mass (unpooled); per head, the best local maximum (within `long_follow` keys
+    either side) past the sink and `long_follow` keys before the window spread `long_follow` keys
+    forward."""
     pooled = window_mass(probs, WINDOW)
     n, reach = pooled.shape[0], knobs["long_follow"]
     places = range(SINK, n - (WINDOW + reach))
@@ -87,16 +87,12 @@ def span(probs, keys, knobs):
         best = max(pooled[i, h] for i in peaks)
         for i in (i for i in peaks if pooled[i, h] == best):
             longer[i : i + reach + 1, h] = torch.maximum(longer[i : i + reach + 1, h], best)
-    return torch.maximum(max_over(pooled, range(-knobs["follow"], 1)), longer)
+    return torch.maximum(pooled, longer)
 
 
 HAND: dict[str, HandPolicy] = {
     "snapkv": HandPolicy(snapkv, "add"),
-    "span": HandPolicy(
-        span,
-        "add",
-        eviction_rank=lambda scores, knobs: max_over(scores, range(-knobs["follow"], 1)),
-    ),
+    "span": HandPolicy(span, "add"),
     "h2o": HandPolicy(lambda probs, keys, knobs: probs.sum(1).T, "add"),
     "tova": HandPolicy(lambda probs, keys, knobs: window_mass(probs, 1), "replace"),
     "streamingllm": HandPolicy(

@@ -43,9 +43,9 @@ def test_a_request_asks_for_its_own_budget_or_for_no_sparsity():
     off = check_request({"kvsparse": {"enabled": False}}, 400, 112, RESOLVED)
     assert (off.label, off.own_budget(RESOLVED)) == ("off", 512)  # every token of a 512-token request
     assert parse_request({"kvsparse": {"enabled": True}}, RESOLVED) == SERVER_SETTING
-    both = parse_request({"kvsparse": {"budget": 30, "policy": {"name": "span", "follow": 32}}}, RESOLVED)
-    assert both == RequestSparsity(budget=30, policy=SpanPolicy(follow=32))
-    knobs = "follow 32, long_follow 40, long_places 1, sentence 0.5, sentence_keys 64, sentence_from 0.07"
+    both = parse_request({"kvsparse": {"budget": 30, "policy": {"name": "span", "long_follow": 32}}}, RESOLVED)
+    assert both == RequestSparsity(budget=30, policy=SpanPolicy(long_follow=32))
+    knobs = "long_follow 32, long_places 1, sentence 0.5, sentence_keys 64, sentence_from 0.07"
     assert both.label == f"budget 30, policy span ({knobs})"
     assert parse_request({"kvsparse": {"policy": "h2o"}}, RESOLVED).label == "policy h2o"
 
@@ -67,10 +67,13 @@ def test_a_request_asks_for_its_own_budget_or_for_no_sparsity():
         ),
         ({"policy": "lru"}, "custom_params.kvsparse.policy: unknown policy 'lru' (known: h2o, keynorm, snapkv, span,"),
         (
-            {"policy": {"name": "span", "follow": -1}},
-            "custom_params.kvsparse.policy.follow: expected an integer from 0 to 256",
+            {"policy": {"name": "span", "long_follow": -1}},
+            "custom_params.kvsparse.policy.long_follow: expected an integer from 0 to 256",
         ),
-        ({"policy": {"follow": 8}}, "custom_params.kvsparse.policy: expected a policy name or an object with a 'name'"),
+        (
+            {"policy": {"long_follow": 8}},
+            "custom_params.kvsparse.policy: expected a policy name or an object with a 'name'",
+        ),
         (
             {"policy": {"name": "span", "reach": 16}},
             "custom_params.kvsparse.policy.reach: unknown knob of policy 'span'",
