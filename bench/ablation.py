@@ -39,11 +39,9 @@ from sglang_kvsparse.config import PRESETS  # noqa: E402
 DEFAULT = PRESETS["default"]
 #: A policy knob of the default at its neutral value: the default without what the knob adds.
 POLICY_VARIANTS: dict[str, dict[str, Any]] = {
-    "no long follow (long_places 0)": {"long_places": 0},
+    "no long follow (long_follow 0)": {"long_follow": 0},
     "no sentences (sentence 0)": {"sentence": 0.0},
     "sentences at every budget (sentence_from 0)": {"sentence_from": 0.0},
-    "sentences cut at punctuation only (sentence_keys 1024)": {"sentence_keys": 1024},
-    "two long places (long_places 2)": {"long_places": 2},
 }
 #: Server-level knobs: a server each, with this JSON configuration over the default preset's.
 SERVER_VARIANTS: dict[str, dict[str, Any]] = {

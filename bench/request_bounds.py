@@ -48,7 +48,7 @@ importable()
 from kvsparse_testbed.texts import essay_text  # noqa: E402
 from sglang_kvsparse.config import PRESETS  # noqa: E402
 from sglang_kvsparse.policies.snapkv import WIDEST_POOL  # noqa: E402
-from sglang_kvsparse.policies.span import LONGEST_FOLLOW, LONGEST_SENTENCE, MOST_PLACES  # noqa: E402
+from sglang_kvsparse.policies.span import LONGEST_FOLLOW  # noqa: E402
 
 #: Characters per token of the essays in SmolLM2's tokenizer, roughly: prompt sizes are given in tokens.
 CHARS_PER_TOKEN = 4.4
@@ -63,8 +63,6 @@ def expensive_settings(preset: str) -> list[dict[str, Any]]:
         "snapkv": {"pool_kind": "avg", "pool_kernel": WIDEST_POOL},
         "span": {
             "long_follow": LONGEST_FOLLOW,
-            "long_places": MOST_PLACES,
-            "sentence_keys": LONGEST_SENTENCE,
             "sentence_from": 0,
         },
     }

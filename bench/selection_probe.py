@@ -18,7 +18,7 @@ its verdicts matched the server's prompt for prompt (`selection-probe-2026-12-03
 Writes ``<out-dir>/selection-probe[-<tag>]-<date>.json`` and ``.md``.
 
 Usage: .venv/bin/python bench/selection_probe.py [--budgets 128,256] [--guide-from 0.33]
-       [--long-follow 40] [--long-places 1] [--sentence 0.5] [--seeds 0,1,2]
+       [--long-follow 40] [--sentence 0.5] [--seeds 0,1,2]
        [--lengths 2000,3000]
        [--prompts ruler-multikey-2000-1,...] [--tag TAG]
 """
@@ -219,8 +219,7 @@ def markdown(report: dict[str, Any]) -> str:
         provenance_line(report),
         "",
         f"- Machine: {report['machine']}; Hugging Face transformers, fp32, no server",
-        f"- Policy `span` (long_follow {report['settings']['long_follow']} "
-        f"at {report['settings']['long_places']} place(s), "
+        f"- Policy `span` (long_follow {report['settings']['long_follow']}, "
         f"sentence {report['settings']['sentence']} from a budget of {report['settings']['sentence_from']} "
         "of the prompt), "
         f"window {DEFAULT.window}, sink {DEFAULT.sink}, full layers {list(DEFAULT.full_layers)}; guided: "
@@ -254,7 +253,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", default="128,256")
     parser.add_argument("--guide-from", type=float, default=DEFAULT.guide_from)
     parser.add_argument("--long-follow", type=int, default=DEFAULT.policy.long_follow)
-    parser.add_argument("--long-places", type=int, default=DEFAULT.policy.long_places)
     parser.add_argument("--sentence", type=float, default=DEFAULT.policy.sentence)
     parser.add_argument("--seeds", default="0", help="comma-separated RULER seeds (the suite's --ruler-seeds)")
     parser.add_argument(
@@ -293,7 +291,6 @@ def main(argv: list[str] | None = None) -> int:
             "seeds": seeds,
             "lengths": lengths,
             "long_follow": args.long_follow,
-            "long_places": args.long_places,
             "sentence": args.sentence,
             "sentence_from": DEFAULT.policy.sentence_from,
             "guide_layers": list(guided),
@@ -303,7 +300,6 @@ def main(argv: list[str] | None = None) -> int:
     policy = dataclasses.replace(
         DEFAULT.policy,
         long_follow=args.long_follow,
-        long_places=args.long_places,
         sentence=args.sentence,
     )
     ends_sentence = sentence_end_tokens(tokenizer.batch_decode, len(tokenizer))

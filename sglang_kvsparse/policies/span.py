@@ -13,46 +13,46 @@ from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
 from sglang_kvsparse.policies.snapkv import require_count, require_share
 from sglang_kvsparse.sentences import raise_to_sentence_best, sentence_numbers
 
-#: Upper bounds of the knobs (as `snapkv.WIDEST_POOL`): a follow costs a few operations per
-#: doubling of its length, places and sentence lengths none that grow with them.
+#: Upper bound of `long_follow` (as `snapkv.WIDEST_POOL`): a follow costs a few operations per
+#: doubling of its length.
 LONGEST_FOLLOW = 256
-MOST_PLACES = 8
-LONGEST_SENTENCE = 1024
+#: Places followed per request and KV head: the best one (two answered fewer on the frozen suite,
+#: `bench/results/ablation-final-2026-12-04.md`).
+LONG_PLACES = 1
+#: Keys after which a sentence is cut even without an end mark: text without punctuation (code,
+#: tables) is not one sentence. (Cutting at 1,024 in its place gave the same answers on the frozen
+#: suite, whose text has punctuation.)
+SENTENCE_KEYS = 64
 
 
 @dataclass(frozen=True)
 class SpanPolicy(ScoringPolicy):
-    """The observation window's attention (SnapKV's scores without its pooling); the
-    `long_places` best places of a request's text (per KV head: keys scoring highest within
-    `long_follow` keys either side, past the sink and at least `long_follow` keys before the
-    observation window, whose own text draws local attention) raise the `long_follow` keys after
-    them to their score: a question's attention lands on the first token of an answer (a UUID, a
-    number) and the tokens after it come along. Decode adds each step's attention (H2O-style).
-    Last, where the server knows the prompt's tokens and the request's budget is at least
-    `sentence_from` of its length (a share, as the guide's `guide_below`), each key is raised to
-    `sentence` times the best score of its sentence (`sglang_kvsparse.sentences`; sentences longer
-    than `sentence_keys` keys are cut), so that a fact is kept with the words that say what it is.
+    """The observation window's attention (SnapKV's scores without its pooling); the best place of a
+    request's text (per KV head: the best of the keys scoring highest within `long_follow` keys
+    either side, past the sink and at least `long_follow` keys before the observation window, whose
+    own text draws local attention) raises the `long_follow` keys after it to its score: a
+    question's attention lands on the first token of an answer (a UUID, a number) and the tokens
+    after it come along. Decode adds each step's attention (H2O-style). Last, where the server knows
+    the prompt's tokens and the request's budget is at least `sentence_from` of its length (a share,
+    as the guide's `guide_below`), each key is raised to `sentence` times the best score of its
+    sentence (`sglang_kvsparse.sentences`; sentences longer than `SENTENCE_KEYS` keys are cut), so
+    that a fact is kept with the words that say what it is.
 
-    Defaults: one place with `long_follow` 40 covers a UUID (in SmolLM2's tokenizer, digit by
-    digit) where a long follow everywhere crowds other answers out; `sentence` 0.5 from a budget of
-    0.07 of the request keeps a fact with its sentence where there is room for it. They were
-    chosen on the RULER-style prompts of seeds 0-2, in SmolLM2's token counts
-    (`docs/experiments/2026-12-04-default-knobs.md`); what each earns on prompts it was not chosen
-    on: `docs/config.md`.
+    Defaults: `long_follow` 40 covers a UUID (in SmolLM2's tokenizer, digit by digit) where a long
+    follow everywhere crowds other answers out; `sentence` 0.5 from a budget of 0.07 of the request
+    keeps a fact with its sentence where there is room for it. They were chosen on the RULER-style
+    prompts of seeds 0-2, in SmolLM2's token counts
+    (`docs/experiments/2026-12-04-default-knobs.md`); what each earns on prompts it was not chosen on: `docs/config.md`.
     """
 
     long_follow: int = 40
-    long_places: int = 1
     sentence: float = 0.5
-    sentence_keys: int = 64
     sentence_from: float = 0.07
     name = "span"
 
     def __post_init__(self) -> None:
         require_count("long_follow", self.long_follow, 0, LONGEST_FOLLOW)
-        require_count("long_places", self.long_places, 0, MOST_PLACES)
         require_share("sentence", self.sentence)
-        require_count("sentence_keys", self.sentence_keys, 1, LONGEST_SENTENCE)
         require_share("sentence_from", self.sentence_from)
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
@@ -76,7 +76,7 @@ class SpanPolicy(ScoringPolicy):
         wide = None if room is None else room >= self.sentence_from
         if wide is not None and not bool(wide.any()):  # a host tensor: no device sync
             return scores
-        sentences = sentence_numbers(sentence_ends, kv_indptr, self.sentence_keys)
+        sentences = sentence_numbers(sentence_ends, kv_indptr, SENTENCE_KEYS)
         raised = raise_to_sentence_best(scores, sentences, self.sentence)
         if wide is None or bool(wide.all()):
             return raised
@@ -86,9 +86,9 @@ class SpanPolicy(ScoringPolicy):
     def spread(self, attention: torch.Tensor, kv_indptr: torch.Tensor, sink: int, window: int) -> torch.Tensor:
         """`span`'s scores from the window's attention [total_kv, H_kv] (requests bounded by
         `kv_indptr`; `sink` and `window` as the selection protects them)."""
-        if not self.long_places or not self.long_follow:
+        if not self.long_follow:
             return attention
-        best = best_places(attention, kv_indptr, self.long_places, self.long_follow, sink, window + self.long_follow)
+        best = best_places(attention, kv_indptr, LONG_PLACES, self.long_follow, sink, window + self.long_follow)
         # Attention mass is >= 0, so 0 leaves every other key to its own score.
         longer = spread_scores(torch.where(best, attention, 0.0), kv_indptr, self.long_follow)
         return torch.maximum(attention, longer)

@@ -36,7 +36,7 @@ SETTINGS = [
     {"budget": 128, "policy": "tova"},
     {"budget": 128, "policy": "h2o"},
     {"budget": 128, "policy": {"name": "snapkv", "pool_kind": "avg", "pool_kernel": 127}},
-    {"budget": 128, "policy": {"name": "span", "follow": 256, "long_follow": 256, "long_places": 8}},
+    {"budget": 128, "policy": {"name": "span", "long_follow": 256, "sentence_from": 0}},
 ]
 
 
@@ -131,8 +131,7 @@ def _policy(rng: random.Random) -> Any:
     name = rng.choice(["span", "snapkv", "h2o", "tova", "keynorm", "streamingllm", "lru"])
     if rng.random() < 0.4:
         return name
-    knobs = ["pool_kind", "pool_kernel", "follow", "long_follow", "long_places"]
-    knobs += ["sentence", "sentence_keys", "sentence_from", "unknown"]
+    knobs = ["pool_kind", "pool_kernel", "long_follow", "sentence", "sentence_from", "unknown"]
     return {"name": name, **{knob: _value(rng) for knob in rng.sample(knobs, rng.randint(1, 4))}}
 
 

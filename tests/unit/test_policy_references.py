@@ -22,6 +22,7 @@ import torch
 
 from sglang_kvsparse.planning import plan_decode, plan_extend
 from sglang_kvsparse.policies import POLICIES, ScoringPolicy
+from sglang_kvsparse.policies.span import SENTENCE_KEYS
 from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
 
 from .heap import H_KV, D, grow, make_state
@@ -33,7 +34,7 @@ STEPS = 22
 #: Small knobs so that pooling and spreading show at these lengths.
 KNOBS: dict[str, dict] = {
     "snapkv": {"pool_kernel": 3},
-    "span": {"long_follow": 4, "long_places": 1},
+    "span": {"long_follow": 4},
 }
 
 
@@ -234,7 +235,7 @@ def test_span_keeps_whole_sentences_as_its_float64_computation_says(share, sente
     """A prefill whose keys carry sentence ends (the server marks them from the prompt's tokens):
     `span` keeps by its scores raised to a share of each sentence's best, when the request's
     budget is at least `sentence_from` of its length; by its plain scores when it is smaller."""
-    knobs = {**KNOBS["span"], "sentence": share, "sentence_keys": 5, "sentence_from": sentence_from}
+    knobs = {**KNOBS["span"], "sentence": share, "sentence_from": sentence_from}
     policy = POLICIES["span"](**knobs)
     prompt = 30
     gen = torch.Generator().manual_seed(12)
@@ -250,7 +251,7 @@ def test_span_keeps_whole_sentences_as_its_float64_computation_says(share, sente
     plain = span(probabilities(q, keys), keys, knobs)
     assert BUDGET / prompt == 0.4
     raises = BUDGET / prompt >= sentence_from
-    want = raised_to_sentences(plain, ends.tolist(), share, 5) if raises else plain
+    want = raised_to_sentences(plain, ends.tolist(), share, SENTENCE_KEYS) if raises else plain
     held, stored = row.held(keys)
     changed = False
     for h in range(H_KV):
