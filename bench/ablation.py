@@ -47,6 +47,9 @@ POLICY_VARIANTS: dict[str, dict[str, Any]] = {
 SERVER_VARIANTS: dict[str, dict[str, Any]] = {
     "no guide (guide_from null)": {"guide_from": None},
     "guide at every budget (guide_below null)": {"guide_below": None},
+    "no full layers (full_layers [])": {"full_layers": []},
+    "SnapKV's window (window 32)": {"window": 32},
+    "no sink (sink 0)": {"sink": 0},
 }
 DEFAULT_LABEL = "default"
 KVPRESS_BEST = "kvpress, best press per budget"
