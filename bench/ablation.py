@@ -65,11 +65,11 @@ def policy_setting(budget: int, knobs: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def chosen_variants(labels: str | None, variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The `variants` these labels (separated by ';') name, all without any; exits naming an
-    unknown label."""
+    """The `variants` these labels (separated by ';') name, all without any (None), none for an
+    empty string; exits naming an unknown label."""
     if labels is None:
         return variants
-    chosen = [label.strip() for label in labels.split(";")]
+    chosen = [label.strip() for label in labels.split(";") if label.strip()]
     unknown = [label for label in chosen if label not in variants]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {list(variants)}")
