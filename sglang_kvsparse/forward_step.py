@@ -107,6 +107,8 @@ def begin_decode(state: SparseState, req_indices: Sequence[int]) -> list[Evictin
     listed = [int(i) for i in req_indices]
     evicting_groups = []
     for g, group in enumerate(state.groups):
+        if not group.evictions:  # most steps: no Python pass over the batch
+            continue
         evicting = [i for i in listed if i in group.evictions]
         olds = {i: group.evictions.pop(i) for i in evicting}
         if group.evictions:
