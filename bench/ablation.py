@@ -47,7 +47,7 @@ POLICY_VARIANTS: dict[str, dict[str, Any]] = {
 SERVER_VARIANTS: dict[str, dict[str, Any]] = {
     "no guide (guide_from null)": {"guide_from": None},
     "guide at every budget (guide_below null)": {"guide_below": None},
-    "no full layers (full_layers [])": {"full_layers": []},
+    "two full layers (full_layers [0, 1])": {"full_layers": [0, 1]},
     "SnapKV's window (window 32)": {"window": 32},
     "no sink (sink 0)": {"sink": 0},
 }

@@ -13,15 +13,16 @@ PRESETS: dict[str, SparsityConfig] = {
     "snapkv": SparsityConfig(full_layers=(), budget=1024),
     # PyramidKV: every layer compressed, budgets decreasing with depth (beta ~ 20).
     "pyramidkv": SparsityConfig(full_layers=(), budget=PyramidBudget(tokens=1024, min_ratio=0.025)),
-    # The first two layers, whose attention is broad and where compression costs most, stay full;
-    # the others keep 1024 entries, the low end of the 1024-1536 windows of the reference results.
-    # With two full layers the sparse ones pair up on the heap's two lanes (docs/config.md).
+    # Layer 0 stays full: the heap keeps a row per token for SGLang's token id in any case, and a
+    # full layer's K/V fills it (with no full layer it stores nothing); each further full layer
+    # costs a whole sequence per request. The others keep 1024 entries, the low end of the
+    # 1024-1536 windows of the reference results.
     # `span` with an observation window of 16 keeps many-token answers SnapKV cuts short; guided
     # from a third of the depth, every sparse layer keeps what the middle and late layers find
     # (the early ones' own windows never see a needle); from a budget of 0.15 of the prompt each
     # layer keeps by its own scores again, which with that room keeps more.
     "default": SparsityConfig(
-        full_layers=(0, 1), budget=1024, window=16, policy=SpanPolicy(), guide_from=0.33, guide_below=0.15
+        full_layers=(0,), budget=1024, window=16, policy=SpanPolicy(), guide_from=0.33, guide_below=0.15
     ),
 }
 
