@@ -18,13 +18,13 @@ G = 3  # query heads per KV head
 LAYER = 1  # a sparse layer
 
 
-def kept(state, row):
-    """(K, V, scores) of the row's entries in LAYER's column."""
+def kept(state, req_idx):
+    """(K, V, scores) of the request's entries in LAYER's column."""
     place = state.layout.layer_places[LAYER]
     group = state.groups[place.group]
-    rows = group.table.entries(row)[:, place.column]
+    rows = group.table.entries(req_idx)[:, place.column]
     n = rows.numel()
-    scores = state.score_slots(group, torch.full((n,), row), torch.arange(n))[:, place.column]
+    scores = state.score_slots(group, torch.full((n,), req_idx), torch.arange(n))[:, place.column]
     lane = state.lanes[place.lane]
     return lane.k[rows].clone(), lane.v[rows].clone(), lane.scores[scores].clone()
 
@@ -129,13 +129,13 @@ def test_a_chunked_prompt_keeps_scores_and_outputs_what_the_unchunked_prompt_doe
     outputs.append(out)
     assert state.requests.phase[1] == Phase.DECODING
     assert torch.allclose(torch.cat(outputs), whole, atol=1e-5)
-    for row in (1, 2):
-        for mine, theirs in zip(kept(state, row), kept(whole_state, row)):
+    for req_idx in (1, 2):
+        for mine, theirs in zip(kept(state, req_idx), kept(whole_state, req_idx)):
             assert torch.allclose(mine, theirs, atol=1e-6)
     assert state.counters.chunks_stored == len(ends) - 1
     assert state.reclaimable_rows() == state.store.rows()  # after the last chunk: plain cache entries
-    for row in (1, 2):
-        state.free(row)
+    for req_idx in (1, 2):
+        state.free(req_idx)
     heap.sglang_free(torch.cat(held))
     assert state.store.rows() == 0 and heap.free_rows() == 1024
     assert not state.requests.phase.any() and not state.requests.held  # every record FREE
@@ -253,7 +253,7 @@ def test_a_chunk_stays_stored_when_the_same_steps_other_prompts_want_store_rows(
     state.expect([1, 2], [40, 10], [20, 6])
     ids = heap.sglang_alloc(14)
     (q1, k1, v1), (q2, k2, v2) = sequences([8, 6])
-    # Row 1: the first 8 tokens of a 20-token prompt (24 store rows); row 2: a whole 6-token
+    # Request 1: the first 8 tokens of a 20-token prompt (24 store rows); request 2: a whole 6-token
     # prompt (18 entry rows), whose 18 best-effort store rows do not fit.
     forward(
         state,

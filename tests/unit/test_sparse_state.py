@@ -25,17 +25,17 @@ def lane_of(state, layer):
     return state.lanes[place.lane], place
 
 
-def entries(state, row, layer):
-    """The row's heap rows in `layer`'s column."""
+def entries(state, req_idx, layer):
+    """The request's heap rows in `layer`'s column."""
     place = state.layout.layer_places[layer]
-    return state.groups[place.group].table.entries(row)[:, place.column]
+    return state.groups[place.group].table.entries(req_idx)[:, place.column]
 
 
-def score_slots(state, row, layer, n):
-    """The score slots of the row's first n entries in `layer`'s column."""
+def score_slots(state, req_idx, layer, n):
+    """The score slots of the request's first n entries in `layer`'s column."""
     place = state.layout.layer_places[layer]
     group = state.groups[place.group]
-    return state.score_slots(group, torch.full((n,), row), torch.arange(n))[:, place.column]
+    return state.score_slots(group, torch.full((n,), req_idx), torch.arange(n))[:, place.column]
 
 
 def dense_attention(q, k, v, scale, causal):
@@ -73,7 +73,7 @@ def test_prefill_then_decode_then_free_returns_every_row():
 
 def test_refuses_jumps_and_exhaustion_without_partial_state():
     state, heap = make_state(num_layers=4, context=64, budget=8, rows=64)  # max_entries 24
-    state.expect([1, 2], [6, 31])  # row 2 will evict: 3 score rows per column (8 entries a row)
+    state.expect([1, 2], [6, 31])  # request 2 will evict: 3 score rows per column (8 entries a row)
     grow(state, [1, 2], [4, 30])
     assert state.groups[0].table.length(2) == 8  # a prefill keeps min(length, budget)
     assert heap.free_rows() == 64 - (4 + 8) * 3 - 3 * 3
@@ -106,7 +106,7 @@ def test_a_step_evicts_every_layer_on_every_lane_as_each_layer_alone_would():
     state.expect(rows, [60] * 3, None, [SERVER_SETTING, SERVER_SETTING, RequestSparsity(budget=12)])
     lengths = [20, 20, 20]
     grow(state, rows, lengths)
-    for _ in range(evict_page):  # every row grows to its budget + evict_page
+    for _ in range(evict_page):  # every request grows to its budget + evict_page
         lengths = [n + 1 for n in lengths]
         grow(state, rows, lengths)
         assert not plan_decode(state, rows).evictions
@@ -114,29 +114,29 @@ def test_a_step_evicts_every_layer_on_every_lane_as_each_layer_alone_would():
     before = {}
     for layer in state.layout.layer_places:
         lane, _ = lane_of(state, layer)
-        for row in rows:
-            old = entries(state, row, layer)
-            slots = score_slots(state, row, layer, old.numel())
+        for req_idx in rows:
+            old = entries(state, req_idx, layer)
+            slots = score_slots(state, req_idx, layer, old.numel())
             lane.k[old] = torch.randn(old.numel(), H_KV, D)
             lane.v[old] = torch.randn(old.numel(), H_KV, D)
             lane.scores[slots] = torch.randint(0, 4, (old.numel(), H_KV)).float()  # many ties
-            before[layer, row] = (old, lane.k[old].clone(), lane.v[old].clone(), lane.scores[slots].clone())
+            before[layer, req_idx] = (old, lane.k[old].clone(), lane.v[old].clone(), lane.scores[slots].clone())
     grow(state, rows, [n + 1 for n in lengths])
     plan = plan_decode(state, rows)
     assert sorted((e.budget, tuple(e.slots.shape)) for e in plan.evictions) == [(8, (3, 2, 12)), (12, (3, 1, 16))]
     evict_planned(plan, state.layout, state.lanes, state.policy)
     sink = state.config.sink
-    for (layer, row), (old, k_old, v_old, s_old) in before.items():
+    for (layer, req_idx), (old, k_old, v_old, s_old) in before.items():
         lane, _ = lane_of(state, layer)
-        budget, n_old = budgets[row], old.numel()
-        kept = entries(state, row, layer)[:budget]
-        assert torch.equal(kept, old[:budget])  # the row's first rows, in place
+        budget, n_old = budgets[req_idx], old.numel()
+        kept = entries(state, req_idx, layer)[:budget]
+        assert torch.equal(kept, old[:budget])  # the request's first rows, in place
         for h in range(H_KV):
             rest = sorted(range(sink, n_old - window), key=lambda p: (-float(s_old[p, h]), p))
             expected = sorted([*range(sink), *range(n_old - window, n_old), *rest[: budget - sink - window]])
-            assert torch.equal(lane.k[kept, h], k_old[expected, h]), (layer, row, h)
-            assert torch.equal(lane.v[kept, h], v_old[expected, h]), (layer, row, h)
-            assert torch.equal(lane.scores[score_slots(state, row, layer, budget), h], s_old[expected, h])
+            assert torch.equal(lane.k[kept, h], k_old[expected, h]), (layer, req_idx, h)
+            assert torch.equal(lane.v[kept, h], v_old[expected, h]), (layer, req_idx, h)
+            assert torch.equal(lane.scores[score_slots(state, req_idx, layer, budget), h], s_old[expected, h])
     state.finish_forward()
 
 
@@ -147,7 +147,7 @@ def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries
     table = state.groups[0].table
     lane, place = lane_of(state, 1)
     grow(state, [1, 2], [20, 3])
-    for n in range(1, evict_page + 1):  # row 1 grows to budget + evict_page entries
+    for n in range(1, evict_page + 1):  # request 1 grows to budget + evict_page entries
         grow(state, [1, 2], [20 + n, 3 + n])
         plan_decode(state, [1, 2])
         state.finish_forward()
@@ -162,7 +162,7 @@ def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries
 
     free_before = heap.free_rows()
     grow(state, [1, 2], [25, 8])
-    assert table.length(1) == budget + 1 and table.length(2) == 8  # row 2 is below its budget
+    assert table.length(1) == budget + 1 and table.length(2) == 8  # request 2 is below its budget
     # The evicted pages stay out of the heap until the forward that reads them was issued.
     assert heap.free_rows() == free_before - 2 * 3 and state.deferred_rows() == evict_page * 3
     plan = plan_decode(state, [1, 2])
@@ -247,7 +247,7 @@ def test_prefill_compression_keeps_protected_and_best_scored_keys_per_head():
     scores = state.policy.score(
         PrefillScoringInputs(q, k, lse, plan.qo_indptr, plan.qo_indptr, torch.arange(total), 0.3, window, sink)
     )
-    assert torch.equal(lane.k[entries(state, 1, 1)], k[:5])  # short row: everything, in order
+    assert torch.equal(lane.k[entries(state, 1, 1)], k[:5])  # short request: everything, in order
     rows, kept_scores = entries(state, 2, 1), score_slots(state, 2, 1, budget)
     for h in range(H_KV):
         rest = sorted(range(sink, 20 - window), key=lambda p: -float(scores[5 + p, h]))
@@ -313,8 +313,8 @@ def test_rows_come_from_free_rows_then_the_store_then_the_tree_never_from_pinned
         grow(state, [6], [1])  # nothing left but the pinned blocks
     assert state.store.valid_prefix_len(ids) == 6 and not state.groups[0].table.is_active(6)
     state.finish_forward()
-    for row in (2, 3, 4, 5):
-        state.free(row)
+    for req_idx in (2, 3, 4, 5):
+        state.free(req_idx)
     state.clear()  # SGLang's flush
     heap.sglang_free(ids[:6])
     assert state.store.rows() == 0 and heap.free_rows() == 96
@@ -323,7 +323,7 @@ def test_rows_come_from_free_rows_then_the_store_then_the_tree_never_from_pinned
 @pytest.mark.parametrize(("budget", "page"), [(8, 1), (64, 1), (8, 2)])
 def test_a_prefix_hit_attends_scores_and_keeps_exactly_as_the_fresh_prefill(budget, page):
     """Two sequences (30 and 19 tokens) prefilled fresh, then again reusing cached prefixes of 16
-    and 8 tokens: the new tokens' outputs match, and each row keeps the same K/V and scores."""
+    and 8 tokens: the new tokens' outputs match, and each request keeps the same K/V and scores."""
     torch.manual_seed(3)
     lengths, prefixes = [30, 19], [16, 8]
     seqs = [(torch.randn(n, H_KV * G, D), torch.randn(n, H_KV, D), torch.randn(n, H_KV, D)) for n in lengths]
@@ -335,9 +335,9 @@ def test_a_prefix_hit_attends_scores_and_keeps_exactly_as_the_fresh_prefill(budg
     state.finish_forward()
     kept = [
         (lambda rows: (lane_of(state, 1)[0].k[rows], lane_of(state, 1)[0].v[rows], lane_of(state, 1)[0].scores[rows]))(
-            entries(state, row, 1)
+            entries(state, req_idx, 1)
         )
-        for row in (1, 2)
+        for req_idx in (1, 2)
     ]
     assert state.store.rows() == sum(-(-n // page) * page for n in lengths) * 3
     state.free(1)
@@ -350,8 +350,8 @@ def test_a_prefix_hit_attends_scores_and_keeps_exactly_as_the_fresh_prefill(budg
     hit = prefill(state, [3, 4], prefixes, [14, 11], [ids[0][:16], ids[1][:8]], new_ids, q2, k2, v2)
     assert torch.allclose(hit[:14], fresh[16:30], atol=1e-5) and torch.allclose(hit[14:], fresh[30 + 8 :], atol=1e-5)
     lane = lane_of(state, 1)[0]
-    for row, (k_kept, v_kept, s_kept) in zip((3, 4), kept):
-        rows = entries(state, row, 1)
+    for req_idx, (k_kept, v_kept, s_kept) in zip((3, 4), kept):
+        rows = entries(state, req_idx, 1)
         assert torch.equal(lane.k[rows], k_kept) and torch.equal(lane.v[rows], v_kept)
         assert torch.allclose(lane.scores[rows], s_kept, atol=1e-6)
     assert (state.counters.prefix_hits, state.counters.prefix_tokens_reused) == (2, 24)
@@ -379,10 +379,10 @@ def test_rows_are_conserved_across_every_owner_under_random_lifecycles(ops):
     page = 2
     state, heap = make_state(page=page, rows=240, budget=4, window=1, evict_page=2, prefix_cache=True)
     table = state.groups[0].table
-    held: dict[int, list[torch.Tensor]] = {}  # request row -> SGLang ids it holds
+    held: dict[int, list[torch.Tensor]] = {}  # request index -> SGLang ids it holds
     prompts: list[torch.Tensor] = []
-    for op, row, length, pick in ops:
-        if op == "new" and not table.is_active(row):
+    for op, req_idx, length, pick in ops:
+        if op == "new" and not table.is_active(req_idx):
             prefix = prompts[pick % len(prompts)] if prompts else torch.empty(0, dtype=torch.int64)
             reuse = state.reusable_prefix_len(prefix[: length - 1], length)
             prefix = prefix[:reuse]
@@ -398,32 +398,32 @@ def test_rows_are_conserved_across_every_owner_under_random_lifecycles(ops):
             pages = heap.sglang_alloc(need)  # SGLang's ids for the new tokens, whole pages
             new = pages[: length - reuse]
             try:
-                grow(state, [row], [length])
+                grow(state, [req_idx], [length])
             except HeapExhausted:
                 heap.sglang_free(pages)
                 state.unpin_prefix(prefix)
                 continue
-            plan = plan_extend(state, [row], [reuse], [length - reuse], [prefix], new)
+            plan = plan_extend(state, [req_idx], [reuse], [length - reuse], [prefix], new)
             assert plan.columns[0][0].prefix_slots.numel() == reuse
             state.finish_forward()
-            held[row] = [pages]
+            held[req_idx] = [pages]
             prompts.append(torch.cat([prefix, new]))
-        elif op == "decode" and table.is_active(row):
+        elif op == "decode" and table.is_active(req_idx):
             state.reclaim(page * 4)
             if heap.free_rows() < page * 4:
                 continue  # SGLang would retract instead
             ids = heap.sglang_alloc(page)
             try:
-                grow(state, [row], [int(state.requests.length[row]) + 1])
+                grow(state, [req_idx], [int(state.requests.length[req_idx]) + 1])
             except HeapExhausted:
                 heap.sglang_free(ids)
                 continue
-            plan_decode(state, [row])
+            plan_decode(state, [req_idx])
             state.finish_forward()
-            held[row].append(ids)
-        elif op == "free" and row in held:
-            state.free(row)
-            heap.cached.extend(held.pop(row))  # the tree caches the finished request's ids
+            held[req_idx].append(ids)
+        elif op == "free" and req_idx in held:
+            state.free(req_idx)
+            heap.cached.extend(held.pop(req_idx))  # the tree caches the finished request's ids
         elif op == "flush_tree":
             heap.evict_cache(heap.rows)
             prompts = [p for p in prompts if state.store.valid_prefix_len(p) == p.numel()]
