@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Serve the embedded default model with the project's launcher and its default sparsity (layers
-# 0-1 full, 1,024 entries in layers 2-29), show one chat completion and its answer, then one long
+# Serve the embedded default model with the project's launcher and its default sparsity (layer
+# 0 full, 1,024 entries in layers 1-29), show one chat completion and its answer, then one long
 # request and what the sparse layers hold while it decodes, then serve until Ctrl-C.
 # Arguments are passed to the launcher (e.g. `scripts/demo.sh --kvsparse-budget 256`).
 set -euo pipefail

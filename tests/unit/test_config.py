@@ -29,8 +29,8 @@ def error_of(**kwargs) -> str:
 def test_no_flags_gives_default_preset():
     config = parse_config()
     assert config == PRESETS[DEFAULT_PRESET]
-    assert config.enabled and config.full_layers == (0, 1) and config.budget == 1024
-    assert "full layers 0,1" in config.describe()
+    assert config.enabled and config.full_layers == (0,) and config.budget == 1024
+    assert "full layers 0;" in config.describe()
 
 
 def test_off_resolves_all_full():
@@ -43,9 +43,9 @@ def test_off_resolves_all_full():
 
 def test_default_resolution_on_smollm2():
     resolved = parse_config().resolve(SMOL_LAYERS, SMOL_CONTEXT)
-    assert resolved.full_layers == (0, 1)
-    assert resolved.sparse_layers == tuple(range(2, 30))
-    assert resolved.budgets[:3] == (None, None, 1024)
+    assert resolved.full_layers == (0,)
+    assert resolved.sparse_layers == tuple(range(1, 30))
+    assert resolved.budgets[:3] == (None, 1024, 1024)
     assert resolved.max_entries(5) == 1024 + 16
     assert resolved.max_entries(0) == SMOL_CONTEXT
     with pytest.raises(ValueError):
@@ -146,7 +146,7 @@ def test_all_layers_full_is_allowed():
         ({"json_or_path": "[1]"}, "--kvsparse-config: expected a JSON object"),
         ({"json_or_path": "{oops"}, "--kvsparse-config: invalid JSON"),
         ({"json_or_path": "/no/such.json"}, "--kvsparse-config: no such file"),
-        ({"json_or_path": '{"budget": [64, 64]}'}, "--kvsparse-config budget: 2 budgets given for 28 sparse layers"),
+        ({"json_or_path": '{"budget": [64, 64]}'}, "--kvsparse-config budget: 2 budgets given for 29 sparse layers"),
         ({"json_or_path": '{"budget": []}'}, "--kvsparse-config budget: the budget list is empty"),
         ({"json_or_path": '{"budget": {"kind": "cone"}}'}, "--kvsparse-config budget: unknown budget kind 'cone'"),
         (
@@ -168,10 +168,10 @@ def test_errors_name_the_option(kwargs, expected):
 
 
 def test_preset_error_names_preset():
-    message = str(pytest.raises(SparsityConfigError, PRESETS["default"].resolve, 1, 100).value)
-    assert message == "--kvsparse-full-layers: layer 1 is outside the model (1 layers: 0..0)"
-    via_parse = pytest.raises(SparsityConfigError, parse_config(preset="default").resolve, 1, 100).value
-    assert str(via_parse).startswith("--kvsparse-preset default full_layers: layer 1 is outside")
+    # The preset's guide_from, left by a JSON that keeps only layer 0 sparse, names the preset.
+    config = parse_config('{"full_layers": [1, 2, 3]}', preset="default")
+    message = str(pytest.raises(SparsityConfigError, config.resolve, 4, 100).value)
+    assert message == "--kvsparse-preset default guide_from: 0.33 of 4 layers starts at layer 1: no sparse layer there"
 
 
 def test_bad_model_shape():

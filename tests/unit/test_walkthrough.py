@@ -1,5 +1,5 @@
 """The walkthrough in docs/architecture.md, step by step: one 4,000-token request at budget 256 on
-the default preset's layout (SmolLM2's 30 layers, layers 0 and 1 full: 14 sparse columns), then a
+the default preset's layout (SmolLM2's 30 layers, layer 0 full: 29 sparse columns on one lane), then a
 second request sharing its first 3,950 tokens. The numbers in the page's table are what the state
 does here, so the page cannot drift from the code (as `tests/integration/test_architecture_trace.py`
 keeps the trace's names)."""
@@ -20,8 +20,10 @@ from sglang_kvsparse.sparse_state import SparseState
 from .heap import FreeList, grow
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
-#: The KV bytes of 8,192 dense tokens of a 30-layer model, as heap rows of the 2 full layers' lanes.
-HEAP_ROWS = 8192 * 30 // 2
+CONFIG = dataclasses.replace(PRESETS["default"], budget=256)
+LANES = max(len(CONFIG.full_layers), 1)
+#: The KV bytes of 8,192 dense tokens of a 30-layer model, as heap rows of the full layers' lanes.
+HEAP_ROWS = 8192 * 30 // LANES
 PROMPT, SHARED, NEW_TOKENS = 4000, 3950, 50
 
 
@@ -29,12 +31,12 @@ def walkthrough() -> list[tuple[str, ...]]:
     """Each step: (what happens, heap rows free, A's sparse rows, B's sparse rows, store rows,
     rows that go back once the forward has been issued: a guided prefill's waiting tokens, an
     eviction's old entries)."""
-    config = dataclasses.replace(PRESETS["default"], budget=256)
-    resolved = config.resolve(30, 8192)
+    resolved = CONFIG.resolve(30, 8192)
     heap = FreeList(HEAP_ROWS)
     # A toy KV head (1 head of 16 floats): the layout's rows do not depend on the head's size
     # but for how many scores a row holds (16 per row here, 64 in SmolLM2's float32 rows).
-    lanes = [LaneBuffers.over(torch.zeros(HEAP_ROWS + 1, 1, 16), torch.zeros(HEAP_ROWS + 1, 1, 16)) for _ in range(2)]
+    shape = (HEAP_ROWS + 1, 1, 16)
+    lanes = [LaneBuffers.over(torch.zeros(shape), torch.zeros(shape)) for _ in range(LANES)]
     state = SparseState(resolved, heap=heap, lanes=lanes, max_requests=4, heap_rows=HEAP_ROWS, prefix_cache=True)
     heap.on_free = state.released.freed
     rows: list[tuple[str, ...]] = []
