@@ -18,7 +18,7 @@ and stops the server:
 Variants:
 
 - ``snapkv``: every layer sparse at the budget: kvpress's SnapKV setting, method for method;
-- ``default``: the launcher's default recipe, layers 0 and 1 full, the others at the budget;
+- ``default``: the launcher's default recipe (`--kvsparse-preset default`) at the budget;
 - ``span``, ``h2o``, ``tova``, ``streamingllm``, ``keynorm``: the default recipe with that
   scoring policy (``docs/config.md``) instead of SnapKV.
 
@@ -70,11 +70,8 @@ FULL_FLAGS = ("--kvsparse-preset", "off")
 
 
 def _default_with(config: dict) -> Callable[[int], tuple[str, ...]]:
-    """The default recipe (layers 0 and 1 full) with `config` (a `--kvsparse-config` object)."""
-    return lambda budget: (
-        *("--kvsparse-full-layers", "0,1", "--kvsparse-budget", str(budget)),
-        *("--kvsparse-config", json.dumps(config)),
-    )
+    """The default recipe with `config` (a `--kvsparse-config` object)."""
+    return lambda budget: (*VARIANTS["default"](budget), "--kvsparse-config", json.dumps(config))
 
 
 def custom_variant(spec: str) -> tuple[str, Callable[[int], tuple[str, ...]]]:
@@ -94,7 +91,7 @@ def custom_variant(spec: str) -> tuple[str, Callable[[int], tuple[str, ...]]]:
 
 VARIANTS: dict[str, Callable[[int], tuple[str, ...]]] = {
     "snapkv": lambda budget: ("--kvsparse-preset", "snapkv", "--kvsparse-budget", str(budget)),
-    "default": lambda budget: ("--kvsparse-full-layers", "0,1", "--kvsparse-budget", str(budget)),
+    "default": lambda budget: ("--kvsparse-preset", "default", "--kvsparse-budget", str(budget)),
     **{policy: _default_with({"policy": policy}) for policy in ("span", "h2o", "tova", "streamingllm", "keynorm")},
 }
 SETTINGS = ServerSettings(

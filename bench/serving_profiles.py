@@ -17,7 +17,7 @@ from common.systems import ServerSettings
 #: The project's side with sparsity off: the same code path as stock SGLang plus the plugin; a
 #: project-off vs stock run should give ratios near 1, which is how the harness itself is checked.
 PROJECT_OFF = ("--kvsparse-preset", "off")
-#: The launcher's default preset for the embedded model (layers 0-1 full, 1,024 elsewhere).
+#: The launcher's default preset for the embedded model (layer 0 full, 1,024 elsewhere).
 PROJECT_DEFAULT = ("--kvsparse-preset", "default")
 #: A tight budget: layers 0-1 full, 256 entries elsewhere (the eviction test's setting).
 PROJECT_BUDGET_256 = ("--kvsparse-full-layers", "0,1", "--kvsparse-budget", "256")

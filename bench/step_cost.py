@@ -4,7 +4,7 @@
     python bench/step_cost.py --before FILE.json  # the same, with an earlier run's counts beside (repeatable)
 
 At Llama-3.1-8B's KV shape (32 layers, 8 KV heads, head dim 128, bf16; `bench/models/llama-3.1-8b`)
-with the default preset (layers 0-1 full, 30 sparse layers at budget 1,024), requests decode in
+with the default preset (layer 0 full, 31 sparse layers at budget 1,024), requests decode in
 batches of 1, 8, 64 and 128 at contexts above the budget. They joined at different steps, so their
 rows reach budget + evict_page at different steps and most steps of a large batch evict. For
 every decode step it counts, by section of the step:

@@ -99,7 +99,7 @@ def test_a_custom_fidelity_variant_is_the_default_recipe_with_its_config() -> No
     label, recipe = fidelity.custom_variant('span.w16={"window": 16, "policy": "span"}')
     flags = recipe(128)
     assert label == "span.w16"
-    assert flags[:4] == ("--kvsparse-full-layers", "0,1", "--kvsparse-budget", "128")
+    assert flags[:4] == ("--kvsparse-preset", "default", "--kvsparse-budget", "128")
     assert flags[4] == "--kvsparse-config" and json.loads(flags[5]) == {"window": 16, "policy": "span"}
     for spec, message in [
         ("a-b={}", "LABEL of letters"),
