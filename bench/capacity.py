@@ -40,7 +40,7 @@ from common.systems import (
     server_for,
     shared_server_args,
 )
-from serving_profiles import PROJECT_BUDGET_256, PROJECT_DEFAULT, PROJECT_OFF, Variant
+from serving_profiles import PROJECT_BUDGET_256, PROJECT_DEFAULT, PROJECT_GUIDED, PROJECT_OFF, Variant
 
 from kvsparse_testbed.server import ServerProcess, ServerStartError, peak_running_requests
 from sglang_kvsparse.layout import HeapLayout, capacity_ratio, scores_per_row
@@ -159,6 +159,17 @@ PROFILES: dict[str, CapacityProfile] = {
             workloads=(_one(512, 32, 40), _one(4000, 32, 16)),
             variants=(Variant("default", PROJECT_DEFAULT),),
             client_timeout_s=3600.0,
+        ),
+        CapacityProfile(
+            name="guide-4k",
+            description="What `guide_below` saves: 8 requests of 4,000 + 32 tokens in the KV bytes of an "
+            "8,192-token dense pool (2 dense requests), the default (budget 1,024 is 0.25 of the "
+            "prompt: each layer selects by its own scores) against the default guided at every budget "
+            "(a guided prefill holds a row per sparse column and prompt token for its forward).",
+            server=_cpu_server(8192),
+            workloads=(_one(4000, 32, 8),),
+            variants=(Variant("default", PROJECT_DEFAULT), Variant("guided", PROJECT_GUIDED)),
+            client_timeout_s=1800.0,
         ),
         CapacityProfile(
             name="cpu",

@@ -19,6 +19,8 @@ from common.systems import ServerSettings
 PROJECT_OFF = ("--kvsparse-preset", "off")
 #: The launcher's default preset for the embedded model (layer 0 full, 1,024 elsewhere).
 PROJECT_DEFAULT = ("--kvsparse-preset", "default")
+#: The default guided at every budget (`guide_below` null): what a prefill costs without the switch.
+PROJECT_GUIDED = ("--kvsparse-preset", "default", "--kvsparse-config", '{"guide_below": null}')
 #: A tight budget: layers 0-1 full, 256 entries elsewhere (the eviction test's setting).
 PROJECT_BUDGET_256 = ("--kvsparse-full-layers", "0,1", "--kvsparse-budget", "256")
 #: The published setting: layers 0-2 full.
