@@ -41,7 +41,6 @@ DEFAULT = PRESETS["default"]
 POLICY_VARIANTS: dict[str, dict[str, Any]] = {
     "no long follow (long_follow 0)": {"long_follow": 0},
     "no sentences (sentence 0)": {"sentence": 0.0},
-    "sentences at every budget (sentence_from 0)": {"sentence_from": 0.0},
 }
 #: Server-level knobs: a server each, with this JSON configuration over the default preset's.
 SERVER_VARIANTS: dict[str, dict[str, Any]] = {

@@ -61,10 +61,7 @@ def expensive_settings(preset: str) -> list[dict[str, Any]]:
     config = PRESETS[preset]
     knobs = {
         "snapkv": {"pool_kind": "avg", "pool_kernel": WIDEST_POOL},
-        "span": {
-            "long_follow": LONGEST_FOLLOW,
-            "sentence_from": 0,
-        },
+        "span": {"long_follow": LONGEST_FOLLOW},
     }
     dearest_first = sorted(config.request_policies, key=lambda name: (name not in knobs, name != "tova", name))
     settings = [{"budget": config.protected, "policy": {"name": name, **knobs.get(name, {})}} for name in dearest_first]

@@ -101,13 +101,12 @@ class AttentionProbe:
         return out[None, None], None
 
 
-def layer_scores(mass: torch.Tensor, policy: SpanPolicy, sentence_ends: torch.Tensor, budget: int) -> torch.Tensor:
+def layer_scores(mass: torch.Tensor, policy: SpanPolicy, sentence_ends: torch.Tensor) -> torch.Tensor:
     """`span`'s scores [L, H_kv] from a layer's window mass: spread forward, then raised by
-    sentence (`sentence_ends` [L] bool, as the server marks them) at a budget that has room."""
+    sentence (`sentence_ends` [L] bool, as the server marks them)."""
     indptr = torch.tensor([0, mass.shape[0]], dtype=torch.int32)
     spread = policy.spread(mass.float(), indptr, DEFAULT.sink, DEFAULT.window)
-    room = torch.tensor([budget / mass.shape[0]], dtype=torch.float64)
-    return policy.by_sentence(spread, indptr, sentence_ends, room)
+    return policy.by_sentence(spread, indptr, sentence_ends)
 
 
 def kept_sets(scores: dict[int, torch.Tensor], budget: int, guide_layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
@@ -186,7 +185,7 @@ def probe_prompt(
     stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
     result: dict[str, Any] = {"prompt_tokens": len(ids), "answer_tokens": len(answer), "runs": {}}
     for budget in budgets:
-        scores = {layer: layer_scores(probe.mass[layer], policy, sentence_ends, budget) for layer in sparse}
+        scores = {layer: layer_scores(probe.mass[layer], policy, sentence_ends) for layer in sparse}
         for label, guide_layers in guides.items():
             probe.kept = kept_sets(scores, budget, guide_layers)
             probe.recording = False
@@ -220,8 +219,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"- Machine: {report['machine']}; Hugging Face transformers, fp32, no server",
         f"- Policy `span` (long_follow {report['settings']['long_follow']}, "
-        f"sentence {report['settings']['sentence']} from a budget of {report['settings']['sentence_from']} "
-        "of the prompt), "
+        f"sentence {report['settings']['sentence']}), "
         f"window {DEFAULT.window}, sink {DEFAULT.sink}, full layers {list(DEFAULT.full_layers)}; guided: "
         f"layers {report['settings']['guide_layers']}",
         "- Kept: per sparse layer, the answer tokens kept in each KV head (digits, one per head), "
@@ -292,7 +290,6 @@ def main(argv: list[str] | None = None) -> int:
             "lengths": lengths,
             "long_follow": args.long_follow,
             "sentence": args.sentence,
-            "sentence_from": DEFAULT.policy.sentence_from,
             "guide_layers": list(guided),
         },
         "prompts": {},

@@ -64,14 +64,12 @@ def build_extend(state: SparseState, step: ExtendStep, device: torch.device | st
         guided = state.guided(budgets, seq_lens)
         if guided is not None:
             guided &= ~partial
-        room = budgets.double() / seq_lens.clamp(min=1).double()
         staged_columns.append(
             [
                 (
                     staging.add(indices[c]),
                     staging.add(scores[c]),
                     budgets,
-                    room,
                     compress,
                     staging.add(None if step.prefix_rows is None else step.prefix_rows[group.first_column + c]),
                     staging.add(None if step.store_rows is None else step.store_rows[group.first_column + c]),
@@ -104,14 +102,13 @@ def build_extend(state: SparseState, step: ExtendStep, device: torch.device | st
                 get(i),
                 get(sc),
                 budgets,
-                room,
                 compress,
                 prefix_slots=get(p),
                 store_slots=get(st),
                 guided=guided,
                 work_slots=get(work_slots[column]) if work_slots else None,
             )
-            for i, sc, budgets, room, compress, p, st, guided, column in group_columns
+            for i, sc, budgets, compress, p, st, guided, column in group_columns
         )
         for group_columns in staged_columns
     )

@@ -43,7 +43,7 @@ class ColumnPlan:
     `new_slots`/`new_score_slots`: where the forward's kept tokens go (decode: one per request;
     prefill: the requests' rows, request-major). `budgets` ([B] on the host: each request's own)
     and `compress` (some prefill request is longer than its budget) tell the prefill whether and
-    how much to select; `room` ([B] float64, host) is each budget over its request's length.
+    how much to select.
     Decode: `kv_lens` [B] and `kv_indices` [B, W] (each request's rows in position order, padded
     with valid rows past its length), `score_indices` [B, W] their score slots (the lane's score
     view): the decode kernel's table layout.
@@ -58,7 +58,6 @@ class ColumnPlan:
     new_slots: torch.Tensor
     new_score_slots: torch.Tensor
     budgets: torch.Tensor | None = None
-    room: torch.Tensor | None = None
     compress: bool = False
     kv_lens: torch.Tensor | None = None
     kv_indices: torch.Tensor | None = None

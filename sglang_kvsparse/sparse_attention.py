@@ -79,7 +79,6 @@ def sparse_extend(
             plan.window,
             plan.sink,
             plan.sentence_ends,
-            column.room,
         )
         for group in policy_groups(plan, policy):
             mine = group.policy.score(inputs)  # of the whole batch: a batch mixes policies rarely

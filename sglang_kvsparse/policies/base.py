@@ -33,9 +33,7 @@ class PrefillScoringInputs:
     log-sum-exp from `extend_attention_with_stats`, so attention probabilities can be recomputed
     for a few queries without a second full softmax. ``sentence_ends`` marks the keys whose
     token ends a sentence (`sglang_kvsparse.sentences`); None where the server has no token ids
-    (no tokenizer), and policies then score without sentences. ``room`` says how much of its
-    sequence each request keeps in this layer (its budget over its length), for policies whose
-    scores depend on it.
+    (no tokenizer), and policies then score without sentences.
     """
 
     q: torch.Tensor  # [num_q_tokens, H_q, D]
@@ -48,7 +46,6 @@ class PrefillScoringInputs:
     window: int  # observation window alpha
     sink: int  # the first keys every selection keeps (attention sinks)
     sentence_ends: torch.Tensor | None = None  # [total_kv] bool, aligned with kv_indices
-    room: torch.Tensor | None = None  # [B] float64 each request's budget / its length (host), None: unknown
 
     def attention_from_last(self, queries: int) -> torch.Tensor:
         """[total_kv, H_kv] float32: each key's attention from its request's last `queries` new

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from sglang_kvsparse.kernels import best_places, spread_scores
-from sglang_kvsparse.kernels.common import segment_ids
 from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
 from sglang_kvsparse.policies.snapkv import require_count, require_share
 from sglang_kvsparse.sentences import raise_to_sentence_best, sentence_numbers
@@ -33,55 +32,39 @@ class SpanPolicy(ScoringPolicy):
     own text draws local attention) raises the `long_follow` keys after it to its score: a
     question's attention lands on the first token of an answer (a UUID, a number) and the tokens
     after it come along. Decode adds each step's attention (H2O-style). Last, where the server knows
-    the prompt's tokens and the request's budget is at least `sentence_from` of its length (a share,
-    as the guide's `guide_below`), each key is raised to `sentence` times the best score of its
-    sentence (`sglang_kvsparse.sentences`; sentences longer than `SENTENCE_KEYS` keys are cut), so
-    that a fact is kept with the words that say what it is.
+    the prompt's tokens, each key is raised to `sentence` times the best score of its sentence
+    (`sglang_kvsparse.sentences`; sentences longer than `SENTENCE_KEYS` keys are cut), so that a
+    fact is kept with the words that say what it is.
 
     Defaults: `long_follow` 40 covers a UUID (in SmolLM2's tokenizer, digit by digit) where a long
-    follow everywhere crowds other answers out; `sentence` 0.5 from a budget of 0.07 of the request
-    keeps a fact with its sentence where there is room for it. They were chosen on the RULER-style
-    prompts of seeds 0-2, in SmolLM2's token counts
-    (`docs/experiments/2026-12-04-default-knobs.md`); what each earns on prompts it was not chosen on: `docs/config.md`.
+    follow everywhere crowds other answers out; `sentence` 0.5 keeps a fact with its sentence. They
+    were chosen on the RULER-style prompts of seeds 0-2, in SmolLM2's token counts
+    (`docs/experiments/2026-12-04-default-knobs.md`); what each earns on prompts it was not chosen
+    on: `docs/config.md`.
     """
 
     long_follow: int = 40
     sentence: float = 0.5
-    sentence_from: float = 0.07
     name = "span"
 
     def __post_init__(self) -> None:
         require_count("long_follow", self.long_follow, 0, LONGEST_FOLLOW)
         require_share("sentence", self.sentence)
-        require_share("sentence_from", self.sentence_from)
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
         attention = inputs.attention_from_last(inputs.window)
         spread = self.spread(attention, inputs.kv_indptr, inputs.sink, inputs.window)
-        return self.by_sentence(spread, inputs.kv_indptr, inputs.sentence_ends, inputs.room)
+        return self.by_sentence(spread, inputs.kv_indptr, inputs.sentence_ends)
 
     def by_sentence(
-        self,
-        scores: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        sentence_ends: torch.Tensor | None,
-        room: torch.Tensor | None = None,
+        self, scores: torch.Tensor, kv_indptr: torch.Tensor, sentence_ends: torch.Tensor | None
     ) -> torch.Tensor:
-        """`scores` [total_kv, H_kv], each key of a request whose budget over its length (`room`
-        [B] on the host; None: every request) is at least `sentence_from` raised to `sentence`
-        times its sentence's best; unchanged when `sentence` is 0 or the sentence ends are
-        unknown (None)."""
+        """`scores` [total_kv, H_kv], each key raised to `sentence` times its sentence's best;
+        unchanged when `sentence` is 0 or the sentence ends are unknown (None)."""
         if not self.sentence or sentence_ends is None:
             return scores
-        wide = None if room is None else room >= self.sentence_from
-        if wide is not None and not bool(wide.any()):  # a host tensor: no device sync
-            return scores
         sentences = sentence_numbers(sentence_ends, kv_indptr, SENTENCE_KEYS)
-        raised = raise_to_sentence_best(scores, sentences, self.sentence)
-        if wide is None or bool(wide.all()):
-            return raised
-        keys = segment_ids(kv_indptr, scores.shape[0])
-        return torch.where(wide.to(scores.device)[keys][:, None], raised, scores)
+        return raise_to_sentence_best(scores, sentences, self.sentence)
 
     def spread(self, attention: torch.Tensor, kv_indptr: torch.Tensor, sink: int, window: int) -> torch.Tensor:
         """`span`'s scores from the window's attention [total_kv, H_kv] (requests bounded by

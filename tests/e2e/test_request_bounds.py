@@ -36,7 +36,7 @@ SETTINGS = [
     {"budget": 128, "policy": "tova"},
     {"budget": 128, "policy": "h2o"},
     {"budget": 128, "policy": {"name": "snapkv", "pool_kind": "avg", "pool_kernel": 127}},
-    {"budget": 128, "policy": {"name": "span", "long_follow": 256, "sentence_from": 0}},
+    {"budget": 128, "policy": {"name": "span", "long_follow": 256}},
 ]
 
 
@@ -131,7 +131,7 @@ def _policy(rng: random.Random) -> Any:
     name = rng.choice(["span", "snapkv", "h2o", "tova", "keynorm", "streamingllm", "lru"])
     if rng.random() < 0.4:
         return name
-    knobs = ["pool_kind", "pool_kernel", "long_follow", "sentence", "sentence_from", "unknown"]
+    knobs = ["pool_kind", "pool_kernel", "long_follow", "sentence", "unknown"]
     return {"name": name, **{knob: _value(rng) for knob in rng.sample(knobs, rng.randint(1, 4))}}
 
 

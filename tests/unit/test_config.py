@@ -190,12 +190,12 @@ def test_direct_construction_is_validated_and_normalized():
         SpanPolicy(long_follow=10**21)
     with pytest.raises(TypeError, match="reach"):  # removed: no measurement earned it
         SnapKVPolicy(reach=16)
+    with pytest.raises(TypeError, match="sentence_from"):  # removed: sentences at every budget did as well
+        SpanPolicy(sentence_from=0.07)
     with pytest.raises(ValueError, match="long_follow: expected an integer from 0 to 256"):
         SpanPolicy(long_follow=-2)
     with pytest.raises(ValueError, match=r"sentence: expected a number in \[0, 1\]"):
         SpanPolicy(sentence=1.5)
-    with pytest.raises(ValueError, match=r"sentence_from: expected a number in \[0, 1\]"):
-        SpanPolicy(sentence_from=256)  # a share of the request's length since 2026-12-04
     with pytest.raises(SparsityConfigError, match="policy: expected a scoring policy"):
         SparsityConfig(policy="snapkv")
     config = SparsityConfig(full_layers=[3, 0], budget=[64, 128])
@@ -223,6 +223,6 @@ def test_known_policies_and_describe():
     assert {"snapkv", "streamingllm", "keynorm"} <= set(POLICIES)
     assert parse_config('{"policy": "streamingllm"}').policy == StreamingLLMPolicy()
     assert "snapkv (pool_kind max, pool_kernel 15)" in PRESETS["snapkv"].describe()
-    assert "span (long_follow 40, sentence 0.5, sentence_from 0.07)" in PRESETS["default"].describe()
+    assert "span (long_follow 40, sentence 0.5)" in PRESETS["default"].describe()
     assert "pyramid" in PRESETS["pyramidkv"].describe()
     assert "64..256" in SparsityConfig(full_layers=(0,), budget=(64, 256)).describe()

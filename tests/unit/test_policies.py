@@ -133,18 +133,17 @@ def test_keynorm_prefers_small_keys():
     assert int(scores[: KV_LENS[0]].argmax(dim=0)[0]) == 10
 
 
-def test_span_raises_sentences_only_in_requests_with_room_for_them():
-    """In one batch, the requests whose budget over their length reaches `sentence_from` get
-    their keys raised to their sentence's best; the one below keeps `span`'s plain scores."""
+def test_span_raises_every_requests_keys_to_their_sentences_best_where_the_ends_are_known():
+    """Each request of a batch gets its keys raised to a share of their sentence's best; without
+    sentence ends (no tokenizer) `span` keeps its plain scores."""
     ends = torch.zeros(sum(KV_LENS), dtype=torch.bool)
     ends[::5] = True
-    inputs = dataclasses.replace(_inputs(), sentence_ends=ends, room=torch.tensor([0.3, 0.1, 0.2], dtype=torch.float64))
-    policy = POLICIES["span"](sentence=1.0, sentence_from=0.2)
+    inputs = dataclasses.replace(_inputs(), sentence_ends=ends)
     plain = POLICIES["span"](sentence=0.0).score(inputs)
-    raised = POLICIES["span"](sentence=1.0, sentence_from=0).score(inputs)
-    got = policy.score(inputs)
-    first, second = KV_LENS[0], KV_LENS[0] + KV_LENS[1]
-    assert not torch.equal(raised[:first], plain[:first])
-    torch.testing.assert_close(got[:first], raised[:first], rtol=0, atol=0)
-    torch.testing.assert_close(got[first:second], plain[first:second], rtol=0, atol=0)
-    torch.testing.assert_close(got[second:], raised[second:], rtol=0, atol=0)
+    raised = POLICIES["span"](sentence=1.0).score(inputs)
+    bounds = [0, *torch.tensor(KV_LENS).cumsum(0).tolist()]
+    for start, end in zip(bounds, bounds[1:]):
+        mine, own = raised[start:end], plain[start:end]
+        assert not torch.equal(mine, own) and bool((mine >= own).all())
+    unknown = POLICIES["span"](sentence=1.0).score(dataclasses.replace(inputs, sentence_ends=None))
+    torch.testing.assert_close(unknown, plain, rtol=0, atol=0)

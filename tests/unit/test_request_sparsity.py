@@ -45,7 +45,7 @@ def test_a_request_asks_for_its_own_budget_or_for_no_sparsity():
     assert parse_request({"kvsparse": {"enabled": True}}, RESOLVED) == SERVER_SETTING
     both = parse_request({"kvsparse": {"budget": 30, "policy": {"name": "span", "long_follow": 32}}}, RESOLVED)
     assert both == RequestSparsity(budget=30, policy=SpanPolicy(long_follow=32))
-    knobs = "long_follow 32, sentence 0.5, sentence_from 0.07"
+    knobs = "long_follow 32, sentence 0.5"
     assert both.label == f"budget 30, policy span ({knobs})"
     assert parse_request({"kvsparse": {"policy": "h2o"}}, RESOLVED).label == "policy h2o"
 
