@@ -49,6 +49,7 @@ SERVER_VARIANTS: dict[str, dict[str, Any]] = {
     "two full layers (full_layers [0, 1])": {"full_layers": [0, 1]},
     "SnapKV's window (window 32)": {"window": 32},
     "no sink (sink 0)": {"sink": 0},
+    "evict every token (evict_page 1)": {"evict_page": 1},
 }
 DEFAULT_LABEL = "default"
 KVPRESS_BEST = "kvpress, best press per budget"
