@@ -21,8 +21,8 @@ PROJECT_OFF = ("--kvsparse-preset", "off")
 PROJECT_DEFAULT = ("--kvsparse-preset", "default")
 #: The default guided at every budget (`guide_below` null): what a prefill costs without the switch.
 PROJECT_GUIDED = ("--kvsparse-preset", "default", "--kvsparse-config", '{"guide_below": null}')
-#: A tight budget: layers 0-1 full, 256 entries elsewhere (the eviction test's setting).
-PROJECT_BUDGET_256 = ("--kvsparse-full-layers", "0,1", "--kvsparse-budget", "256")
+#: A tight budget: the default with 256 entries in each sparse layer.
+PROJECT_BUDGET_256 = ("--kvsparse-preset", "default", "--kvsparse-budget", "256")
 #: The published setting: layers 0-2 full.
 NOVITA_SPARSITY = ("--kvsparse-full-layers", "0,1,2")
 #: SGLang's own switch, for a variant that shows what prefix reuse is worth.
