@@ -42,8 +42,10 @@ COMMON_ARGS = ["--dtype", "float32", "--max-total-tokens", str(CPU_MAX_TOTAL_TOK
 #: What the launcher adds for a sparse server on the CPU, given to stock as well.
 SPARSE_BASELINE_ARGS = ["--mem-fraction-static", str(CPU_SPARSE_MEM_FRACTION)]
 
-#: Sparse layers 2..29 with a budget of the whole context: nothing may change in the outputs.
-LOSSLESS_SPARSITY = ["--kvsparse-full-layers", "0,1", "--kvsparse-budget", "8192"]
+#: The default's layout (layer 0 full: the heap's one lane) with sparse layers 1..29 given a budget
+#: of the whole context: nothing may change in the outputs. The evicting server keeps layers 0-1
+#: full, so the two-lane layout is served as well.
+LOSSLESS_SPARSITY = ["--kvsparse-full-layers", "0", "--kvsparse-budget", "8192"]
 #: The lossless server's context (the model's is 8,192): its near-context prompt costs a third of
 #: the attention work of one at 8,192, and every other prompt it serves is shorter than 2,500.
 SPARSE_CONTEXT = 4608

@@ -1,7 +1,8 @@
 """Sparse layers with budgets above every length are lossless: greedy outputs equal stock's.
 
-The sparse server runs layers 2..29 through the project's path (own slot pools and index maps,
-attention through `sglang_kvsparse.kernels`), layers 0 and 1 through the stock backend. With
+The sparse server has the default's layout: layers 1..29 through the project's path (own slot
+pools and index maps, attention through `sglang_kvsparse.kernels`), layer 0 through the stock
+backend. With
 nothing to evict, any difference from stock SGLang is a plumbing bug, with or without radix-cache
 hits, prompts chunked (512 tokens, mixed chunks, as stock here) or not. Afterwards no request may
 hold a sparse slot (`/kvsparse/stats`).
