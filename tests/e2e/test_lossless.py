@@ -2,10 +2,9 @@
 
 The sparse server has the default's layout: layers 1..29 through the project's path (own slot
 pools and index maps, attention through `sglang_kvsparse.kernels`), layer 0 through the stock
-backend. With
-nothing to evict, any difference from stock SGLang is a plumbing bug, with or without radix-cache
-hits, prompts chunked (512 tokens, mixed chunks, as stock here) or not. Afterwards no request may
-hold a sparse slot (`/kvsparse/stats`).
+backend. With nothing to evict, any difference from stock SGLang is a plumbing bug, with or
+without radix-cache hits, prompts chunked (512 tokens, mixed chunks, as stock here) or not.
+Afterwards no request may hold a sparse slot (`/kvsparse/stats`).
 """
 
 import pytest
