@@ -16,11 +16,12 @@ bounded in count and time, a progress bar), then checks what a production server
   (agreeing alone means the batch it ran in changed a float reduction), and for token-id prompts
   with stock's top-2 logprobs at the first differing token (a near-tie flips on rounding).
 
-Without `--url` it starts both servers itself: the project's launcher with budget 256 and layers
-0-1 full, and stock SGLang, with the same shared arguments (default model, float32, an 8,192-token
-KV pool so a prompt near the context length fits, chunked prefill of 512 with mixed chunks,
-`--enable-metrics`), SGLang's admission made optimistic (`SGLANG_INIT_NEW_TOKEN_RATIO=0.05`) on
-the project's so that decoding requests outgrow the pool and SGLang retracts.
+Without `--url` it starts both servers itself: the project's launcher with the default preset at
+budget 256 (below the default's 1,024, so that more requests evict), and stock SGLang, with the
+same shared arguments (default model, float32, an 8,192-token KV pool so a prompt near the
+context length fits, chunked prefill of 512 with mixed chunks, `--enable-metrics`), SGLang's
+admission made optimistic (`SGLANG_INIT_NEW_TOKEN_RATIO=0.05`) on the project's so that decoding
+requests outgrow the pool and SGLang retracts.
 
 Writes `<out-dir>/soak-<date>.json` and `.md`; logs in `soak-<date>-logs/`.
 
@@ -53,6 +54,7 @@ from common.systems import (
     server_for,
     shared_server_args,
 )
+from serving_profiles import PROJECT_BUDGET_256
 from soak_client import PATHS, REQUEST_TIMEOUT_S, Client, Outcome, parse_whole
 from soak_mix import Edges, MixSettings, SoakRequest, build_mix, group_offsets
 from tqdm import tqdm
@@ -60,7 +62,6 @@ from tqdm import tqdm
 from kvsparse_testbed.texts import essay_text
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PROJECT_FLAGS = ("--kvsparse-full-layers", "0,1", "--kvsparse-budget", "256")
 SHARED_FLAGS = ("--chunked-prefill-size", "512", "--enable-mixed-chunk", "--enable-metrics")
 RETRACTING_ENV = {"SGLANG_INIT_NEW_TOKEN_RATIO": "0.05"}
 #: Stock's top-2 logprob gap below which a differing greedy token is a near-tie (nats).
@@ -408,12 +409,14 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     mix = MixSettings(args.requests, args.max_prompt_tokens, text_tokens=args.max_prompt_tokens * 3, seed=args.seed)
     soak_settings = SoakSettings(mix, args.concurrency, args.time_limit_s)
-    command = " ".join(["python -m sglang_kvsparse.launch_server", *args_for_report(shared, model_dir), *PROJECT_FLAGS])
+    command = " ".join(
+        ["python -m sglang_kvsparse.launch_server", *args_for_report(shared, model_dir), *PROJECT_BUDGET_256]
+    )
     served_by = command if args.url is None else f"the server at {args.url} (given)"
     with ExitStack() as stack:
         url, stock_url = args.url, args.stock_url
         if url is None or stock_url is None:
-            project = server_for("project", PROJECT_FLAGS, shared, settings, log_dir, say)
+            project = server_for("project", PROJECT_BUDGET_256, shared, settings, log_dir, say)
             project = dataclasses.replace(project, env={**project.env, **RETRACTING_ENV})
             stock = server_for(STOCK, (), shared, settings, log_dir, say)
             started = [s for s, given in ((project, url), (stock, stock_url)) if given is None]
