@@ -21,7 +21,8 @@ budget 256 (below the default's 1,024, so that more requests evict), and stock S
 same shared arguments (default model, float32, an 8,192-token KV pool so a prompt near the
 context length fits, chunked prefill of 512 with mixed chunks, `--enable-metrics`), SGLang's
 admission made optimistic (`SGLANG_INIT_NEW_TOKEN_RATIO=0.05`) on the project's so that decoding
-requests outgrow the pool and SGLang retracts.
+requests can outgrow the pool and SGLang retract (how often depends on the heap's rows per byte:
+counted, not required).
 
 Writes `<out-dir>/soak-<date>.json` and `.md`; logs in `soak-<date>-logs/`.
 
