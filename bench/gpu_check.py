@@ -63,9 +63,19 @@ def say(message: str) -> None:
 
 
 def lifecycle_state(device: str) -> SparseState:
-    """The decode lifecycle's state: 3 sparse layers, budget 8, evicting every 4 entries."""
+    """The decode lifecycle's state: 3 sparse layers, budget 8, evicting every 4 entries, lanes
+    of head dim 128 in bfloat16 (the served shape: `tl.dot`'s inner dimension is the head dim)."""
     state, _ = make_state(
-        num_layers=4, full_layers=(0,), budget=8, evict_page=4, rows=4096, max_requests=8, context=4096, device=device
+        num_layers=4,
+        full_layers=(0,),
+        budget=8,
+        evict_page=4,
+        rows=4096,
+        max_requests=8,
+        context=4096,
+        device=device,
+        head_dim=128,
+        dtype=torch.bfloat16,
     )
     return state
 

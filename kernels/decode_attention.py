@@ -55,10 +55,14 @@ class DecodeConfig:
 _FEW_KEYS = 4096
 
 
-def default_decode_config() -> DecodeConfig:
-    """Large tiles in the interpreter, whose cost scales with program count x loop steps."""
+def default_decode_config(dtype: torch.dtype) -> DecodeConfig:
+    """Large tiles in the interpreter, whose cost scales with program count x loop steps; on a
+    GPU, float32's IEEE dots take a small key block to compile without spilling
+    (`bench/compile_check.py`)."""
     if interpreting():
         return DecodeConfig(block_n=128, num_warps=1, num_stages=1)
+    if dtype == torch.float32:
+        return DecodeConfig(block_n=16)
     return DecodeConfig()
 
 
@@ -280,7 +284,7 @@ def decode_attention_with_scores_triton(
     update = _update_index(score_update)
     group = check_group(q.shape[1], k_buf.shape[1])
     score_indices = _check_table(q, kv_lens, kv_indices, score_indices)
-    cfg = config or default_decode_config()
+    cfg = config or default_decode_config(q.dtype)
     batch, num_q_heads, head_dim = q.shape
     o = torch.empty_like(q) if out is None else out
     if batch == 0:

@@ -38,11 +38,16 @@ class ExtendConfig:
     num_stages: int = 1
 
 
-def default_extend_config(head_dim: int) -> ExtendConfig:
-    """Large tiles in the interpreter (its cost scales with program count x loop steps)."""
+def default_extend_config(head_dim: int, dtype: torch.dtype) -> ExtendConfig:
+    """Large tiles in the interpreter (its cost scales with program count x loop steps). On a
+    GPU, tiles that compile for sm_90 without spilling (`bench/compile_check.py`): float32's IEEE
+    dots run on the FMA units with every operand in registers, so they take small tiles; head dim
+    256 halves the key block."""
     if interpreting():
         return ExtendConfig(block_rows=128, block_n=128, num_warps=1, num_stages=1)
-    return ExtendConfig(block_rows=128, block_n=64, num_warps=4 if head_dim <= 64 else 8)
+    if dtype == torch.float32:
+        return ExtendConfig(block_rows=16, block_n=16, num_warps=4)
+    return ExtendConfig(block_rows=128, block_n=32 if head_dim > 128 else 64, num_warps=4 if head_dim <= 64 else 8)
 
 
 @triton.jit
@@ -275,7 +280,7 @@ def extend_attention_with_stats_triton(
     """Triton implementation; see :func:`extend_attention_with_stats` for the contract."""
     group = check_group(q.shape[1], k_buf.shape[1])
     head_dim = q.shape[2]
-    cfg = config or default_extend_config(head_dim)
+    cfg = config or default_extend_config(head_dim, q.dtype)
     if cfg.block_rows < group:
         raise ValueError(f"block_rows={cfg.block_rows} is smaller than the GQA group {group}")
     o, lse = _outputs(q, with_stats, out, lse_out)

@@ -39,10 +39,13 @@ class WindowScoreConfig:
     num_stages: int = 2
 
 
-def default_window_score_config() -> WindowScoreConfig:
-    """Large tiles in the interpreter, whose cost scales with program count x loop steps."""
+def default_window_score_config(dtype: torch.dtype) -> WindowScoreConfig:
+    """Large tiles in the interpreter, whose cost scales with program count x loop steps; on a
+    GPU, float32's IEEE dots take small tiles to compile without spilling (`bench/compile_check.py`)."""
     if interpreting():
         return WindowScoreConfig(block_n=128, block_rows=128, num_warps=1, num_stages=1)
+    if dtype == torch.float32:
+        return WindowScoreConfig(block_n=16, block_rows=16)
     return WindowScoreConfig()
 
 
@@ -160,7 +163,7 @@ def window_scores_triton(
     """Triton implementation; see :func:`window_scores` for the contract."""
     check_window(window)
     group = check_group(q.shape[1], k_buf.shape[1])
-    cfg = config or default_window_score_config()
+    cfg = config or default_window_score_config(q.dtype)
     if cfg.block_rows < group:
         raise ValueError(f"block_rows={cfg.block_rows} is smaller than the GQA group {group}")
     scores = _scores_out(kv_indices, k_buf.shape[1], out)

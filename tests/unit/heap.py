@@ -101,10 +101,12 @@ def make_state(
     max_request_budget: int | None = None,
     guide_from: float | None = None,
     guide_below: float | None = None,
+    head_dim: int = D,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[SparseState, FreeList]:
     """A state of `num_layers` layers (`full_layers` full, one lane per full layer) on a heap of
-    `rows` rows, its lanes on `device`. The policy: SnapKV of `pool_kernel` unless given
-    (pool_kernel 1: no pooling, so no score ties)."""
+    `rows` rows, its lanes ([rows, H_KV, head_dim] of `dtype`) on `device`. The policy: SnapKV of
+    `pool_kernel` unless given (pool_kernel 1: no pooling, so no score ties)."""
     config = SparsityConfig(
         full_layers=full_layers,
         budget=budget or context,
@@ -118,10 +120,9 @@ def make_state(
     )
     resolved = config.resolve(num_layers, context)
     heap = FreeList(rows, page)
+    shape = (rows + page, H_KV, head_dim)
     lanes = [
-        LaneBuffers.over(
-            torch.zeros(rows + page, H_KV, D, device=device), torch.zeros(rows + page, H_KV, D, device=device)
-        )
+        LaneBuffers.over(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(max(len(full_layers), 1))
     ]
     state = SparseState(
@@ -186,12 +187,14 @@ def decode_lifecycle(
     """A seeded lifecycle: requests join (prefilled alone), decode together, evict and finish,
     on a state of up to 7 requests (indices 1..7). Each decode step's plan goes to `decode`,
     after its evictions ran. Returns (each decode step's outputs on the host, steps with an
-    eviction). Inputs come from a seeded generator: two runs see the same."""
-    device = state.lanes[0].k.device
+    eviction). Inputs come from a seeded generator, in the lanes' head dim and dtype: two runs
+    see the same."""
+    lane = state.lanes[0].k
+    device, head_dim = lane.device, lane.shape[2]
     gen = torch.Generator().manual_seed(seed)
 
     def inputs(n: int) -> list[torch.Tensor]:
-        return [torch.randn(n, h, D, generator=gen).to(device) for h in (H_KV * GROUP, H_KV, H_KV)]
+        return [torch.randn(n, h, head_dim, generator=gen).to(device, lane.dtype) for h in (H_KV * GROUP, H_KV, H_KV)]
 
     lengths: dict[int, int] = {}
     final: dict[int, int] = {}
