@@ -68,8 +68,10 @@ def expect_lengths(result: Any, pool: Any, reqs: Any, *args: Any, **kwargs: Any)
 
 
 def setting(req: Any) -> RequestSparsity:
-    """The request's own sparsity setting (checked in the HTTP process: `validation.py`)."""
-    return parse_request(req.sampling_params.custom_params, context.state().resolved)
+    """The request's own sparsity setting (checked in the HTTP process: `validation.py`), parsed
+    once, when it arrives (`Requests.arrive`)."""
+    state = context.state()
+    return state.requests.arrive(req.rid, lambda: parse_request(req.sampling_params.custom_params, state.resolved))
 
 
 def fill_len(req: Any) -> int:
@@ -139,7 +141,7 @@ def _one_setting_too_many(adder: Any, req: Any) -> bool:
     """Whether the request's own setting would be one more than `max_distinct_settings` among
     the running requests and those admitted this round."""
     resolved = context.state().resolved
-    running = context.state().own_settings_running()
+    running = context.state().requests.own_settings()
     running |= {setting(other).grouping(resolved) for other in adder.can_run_list} - {SERVER_GROUPING}
     return one_setting_too_many(setting(req), running, resolved)
 
@@ -183,6 +185,7 @@ def _start_round(adder: Any) -> AdmissionRound:
         if r.kv.req_pool_idx is not None
     ]
     adder.memory_budget.total_offset += running_growth(state, growing)
+    state.requests.new_round()
     round_ = AdmissionRound()
     context.start_round(adder, round_)
     return round_

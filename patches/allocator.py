@@ -20,7 +20,7 @@ hooks it already calls on every allocator:
 
 **Two free lists, one heap.** SGLang keeps its free ids on the device; reading them back makes
 the host wait for the device. So the rows the project hands out come from a free list on the host
-(`RawHeapRows.host`): every row the project gives back goes there, a prefill's allocation tops it
+(`RawHeapRows.host`, `heap.HostFreeList`): every row the project gives back goes there, a prefill's allocation tops it
 up from SGLang's list to what the running requests' decode steps may take (`reserve`, where the
 host may wait), and SGLang's allocations draw on it when its own list runs short (`lend`: a
 pinned, non-blocking copy). A decode step then never reads a device value for its rows.
@@ -28,50 +28,17 @@ pinned, non-blocking copy). A decode step then never reads a device value for it
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 import torch
 
 from sglang_kvsparse.admission import prefill_peak_rows, rows_for_next_decode
 from sglang_kvsparse.device_copy import upload
+from sglang_kvsparse.heap import HostFreeList
 from sglang_kvsparse.layout import round_up
 from sglang_kvsparse.sparse_state import SparseState
 
 from . import context
-
-
-class HostFreeList:
-    """Free heap rows on the host, whole pages: given back in chunks, taken from the front. A
-    give appends its chunk (no copy of what is already there: the list can hold millions of
-    rows, the running requests' reserve); a take joins only the chunks it needs."""
-
-    def __init__(self) -> None:
-        self._chunks: deque[torch.Tensor] = deque()
-        self.rows = 0
-
-    def give(self, rows: torch.Tensor) -> None:
-        if rows.numel():
-            self._chunks.append(rows.reshape(-1).to(torch.int64))
-            self.rows += rows.numel()
-
-    def take(self, rows: int) -> torch.Tensor:
-        """The first `rows` free rows (at most `self.rows`)."""
-        parts, need = [], min(rows, self.rows)
-        while need:
-            chunk = self._chunks.popleft()
-            if chunk.numel() > need:
-                self._chunks.appendleft(chunk[need:])
-                chunk = chunk[:need]
-            parts.append(chunk)
-            need -= chunk.numel()
-        taken = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-        self.rows -= taken.numel()
-        return taken
-
-    def clear(self) -> None:
-        self._chunks.clear()
-        self.rows = 0
 
 
 class RawHeapRows:
@@ -154,8 +121,8 @@ def heap_allocator_class(base: type) -> type:
             return (
                 super().available_size()
                 + self.kvsparse_rows.host.rows
-                + state.reclaimable_rows()
-                + state.released_rows()
+                + state.heap.reclaimable_rows()
+                + state.heap.released_rows()
             )
 
         def _make_room(self, rows: int) -> None:
@@ -163,7 +130,7 @@ def heap_allocator_class(base: type) -> type:
             prefix-store blocks (and settle SGLang's frees, waiting only when short), and lend
             host rows when its list is short."""
             state = self.kvsparse_state
-            state.reclaim(rows)
+            state.heap.reclaim(rows)
             if self.kvsparse_rows.free_rows() < rows and state.released is not None:
                 state.released.settle(wait=True)
             short = rows - super().available_size()

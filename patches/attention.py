@@ -29,7 +29,7 @@ from sglang_kvsparse.decode_graph import DecodeBuffers
 from sglang_kvsparse.guide import PrefillGuide
 from sglang_kvsparse.planning import plan_extend
 from sglang_kvsparse.plans import ForwardPlan, MixedPlan
-from sglang_kvsparse.request_table import Phase
+from sglang_kvsparse.requests import Phase
 from sglang_kvsparse.sparse_attention import prepare_decode, sparse_decode, sparse_extend, sparse_mixed
 from sglang_kvsparse.sparse_state import SparseState
 

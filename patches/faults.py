@@ -27,7 +27,8 @@ from typing import Any
 
 FAULT_ENV = "SGLANG_KVSPARSE_FAULT"
 POINTS = ("match", "admission")
-_FAILED = "_kvsparse_failed"
+#: The rids of requests failed in this round (kept here: nothing is stored on SGLang's objects).
+_failed: set[str] = set()
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,12 @@ def request_guard(req: Any, where: str) -> Iterator[None]:
             status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
             err_type="InternalServerError",
         )
-        setattr(req, _FAILED, True)
+        _failed.add(req.rid)
 
 
 def sits_out(req: Any) -> bool:
     """True once for a request that failed this round: its next round matches its one-token prompt."""
-    return bool(req.__dict__.pop(_FAILED, False))
+    if req.rid in _failed:
+        _failed.discard(req.rid)
+        return True
+    return False

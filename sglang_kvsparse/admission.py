@@ -27,10 +27,12 @@ chunk; the wait also covers shorter ones.)
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_kvsparse.sparse_state import SparseState
+if TYPE_CHECKING:
+    from sglang_kvsparse.sparse_state import SparseState
 
 #: Tokens a prompt admitted this round must add to a waiting request's cache hit for it to wait.
 SHARED_PREFIX_WAIT_TOKENS = 256
@@ -56,7 +58,7 @@ def prefill_peak_rows(state: SparseState, prompt_len: int, chunk_size: int | Non
     chunked = chunk_size is not None and 0 < chunk_size < prompt_len and state.store is not None
     if chunked:  # the earlier chunks in the store and a guided last chunk's tokens: one row per column
         return held + state.store.rows_per_block * -(-prompt_len // state.page_size)
-    return held + (state.guide_rows(prompt_len) if waits_for_guide(state, prompt_len, budget) else 0)
+    return held + (state.layout.guide_rows(prompt_len) if waits_for_guide(state, prompt_len, budget) else 0)
 
 
 def prefill_charge(
@@ -77,7 +79,7 @@ def prefill_guide_rows(state: SparseState, prefix_len: int, end: int, fill_len: 
     """Of `prefill_charge`, the rows a guided prefill's last forward (tokens [prefix_len, end)
     of a prefill reaching `fill_len`) takes only until it has been issued (`guide_rows`)."""
     last = end >= fill_len or state.store is None
-    return state.guide_rows(end - prefix_len) if last and waits_for_guide(state, fill_len, budget) else 0
+    return state.layout.guide_rows(end - prefix_len) if last and waits_for_guide(state, fill_len, budget) else 0
 
 
 def waits_for_guide(state: SparseState, seq_len: int, budget: int = 0) -> bool:
@@ -85,7 +87,7 @@ def waits_for_guide(state: SparseState, seq_len: int, budget: int = 0) -> bool:
     the guide in some group, so that its new tokens wait for it (`guide_rows`)."""
     lengths = torch.tensor([seq_len])
     for group in state.groups:
-        guided = state.guided(torch.tensor([budget or group.spec.budget]), lengths)
+        guided = state.resolved.guided(torch.tensor([budget or group.spec.budget]), lengths)
         if guided is not None and bool(guided.any()):
             return True
     return False
@@ -100,6 +102,23 @@ def rows_for_next_decode(state: SparseState, req_indices: list[int]) -> int:
         held = group.table.lengths[index]
         kept = torch.where(held == state.max_entries(group, index), state.budgets(group, index), held)
         total += int((kept % state.page_size == 0).sum()) * group.columns * state.page_size
+    return total
+
+
+def decode_reserve(state: SparseState) -> int:
+    """Heap rows the running requests may take in their coming decode steps before their own
+    evictions give rows back: per group and request, the pages from what it holds up to the
+    most it will hold (its `max_entries`, or its final length when shorter), and one more."""
+    running = state.running_requests()
+    page = state.page_size
+    total = 0
+    for group in state.groups:
+        holding = running[group.table.active[running]]
+        final = state.requests.final_len[holding]
+        final = torch.where(final == 0, state.resolved.context_len, final)
+        most = torch.minimum(state.max_entries(group, holding), final)
+        pages = (most + page - 1) // page - (group.table.lengths[holding] + page - 1) // page
+        total += int((pages.clamp(min=0) + 1).sum()) * page * group.columns
     return total
 
 

@@ -167,6 +167,11 @@ class HeapLayout:
         whole pages) and its sparse rows in every group (`budget`: its own, 0 for the groups')."""
         return round_up(seq_len, self.page_size) + sum(self.sparse_rows(g, seq_len, budget) for g in self.groups)
 
+    def guide_rows(self, tokens: int) -> int:
+        """Heap rows `tokens` new tokens of a guided prefill wait in, one per sparse column (whole
+        pages), from the sparse layers' own attention until the guide has chosen."""
+        return round_up(tokens, self.page_size) * self.num_columns
+
     def widest_request(self, group: GroupSpec) -> int:
         """Most entries any request holds in the group: its own or the largest request budget's."""
         return max(group.max_entries, self.max_entries(group, self.request_cap))

@@ -2,7 +2,7 @@
 
 The attention backend (`patches/attention.py`) plans once per forward in `init_forward_metadata`,
 after SGLang allocated the step's tokens (`SparseState.alloc_to_lengths`): first the forward's
-state changes (`forward_step.begin_extend` / `begin_decode`), then its plan (`build_extend` /
+state changes (`SparseState.begin_extend` / `begin_decode`), then its plan (`build_extend` /
 `build_decode`), which only reads the state's tables and brings their device mirrors up to date.
 Every sparse layer then takes its column's `ColumnPlan` (`ForwardPlan.column`). Index tensors are
 built with batched tensor operations on the host tables, then moved to the device in one copy.
@@ -17,8 +17,17 @@ import torch
 
 from sglang_kvsparse.device_copy import upload
 from sglang_kvsparse.entry_table import HeapError
-from sglang_kvsparse.forward_step import EvictingRequests, ExtendStep, begin_decode, begin_extend, indptr, ranges
-from sglang_kvsparse.plans import ColumnPlan, DecodeTables, Eviction, ForwardPlan, PolicyGroup
+from sglang_kvsparse.plans import (
+    ColumnPlan,
+    DecodeTables,
+    EvictingRequests,
+    Eviction,
+    ExtendStep,
+    ForwardPlan,
+    PolicyGroup,
+    indptr,
+    ranges,
+)
 from sglang_kvsparse.policies import ScoringPolicy
 from sglang_kvsparse.sparse_group import SparseGroup
 from sglang_kvsparse.sparse_state import SparseState
@@ -33,13 +42,13 @@ def plan_extend(
     new_ids: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
 ) -> ForwardPlan:
-    """A prefill forward: its state changes (`begin_extend`), then its plan (`build_extend`)."""
-    return build_extend(state, begin_extend(state, req_indices, prefix_lens, extend_lens, prefix_ids, new_ids), device)
+    """A prefill forward: its state changes (`SparseState.begin_extend`), then its plan (`build_extend`)."""
+    return build_extend(state, state.begin_extend(req_indices, prefix_lens, extend_lens, prefix_ids, new_ids), device)
 
 
 def plan_decode(state: SparseState, req_indices: Sequence[int], device: torch.device | str = "cpu") -> ForwardPlan:
-    """A decode step: its state changes (`begin_decode`), then its plan (`build_decode`)."""
-    return build_decode(state, req_indices, begin_decode(state, req_indices), device)
+    """A decode step: its state changes (`SparseState.begin_decode`), then its plan (`build_decode`)."""
+    return build_decode(state, req_indices, state.begin_decode(req_indices), device)
 
 
 def build_extend(state: SparseState, step: ExtendStep, device: torch.device | str = "cpu") -> ForwardPlan:
@@ -61,7 +70,7 @@ def build_extend(state: SparseState, step: ExtendStep, device: torch.device | st
             )
         indices, scores = _indices(state, group, index)
         compress = bool((seq_lens > budgets)[~partial].any())
-        guided = state.guided(budgets, seq_lens)
+        guided = state.resolved.guided(budgets, seq_lens)
         if guided is not None:
             guided &= ~partial
         staged_columns.append(
@@ -233,7 +242,7 @@ def _old_entries(
     old = torch.stack(olds).permute(2, 0, 1).contiguous()
     n_old = old.shape[2]
     positions = torch.arange(n_old).repeat(len(req_indices))
-    slots = state.score_slots(group, torch.tensor(req_indices).repeat_interleave(n_old), positions)
+    slots = group.score_slots(torch.tensor(req_indices).repeat_interleave(n_old), positions)
     return old, slots.T.reshape(group.columns, len(req_indices), n_old).contiguous()
 
 
@@ -258,7 +267,7 @@ def _indices(state: SparseState, group: SparseGroup, index: torch.Tensor) -> tup
     mask = torch.arange(width)[None, :] < lengths[:, None]
     entries = group.table.table[index, :width][mask]  # [total, columns]
     positions = torch.arange(width).expand(len(index), width)[mask]
-    scores = state.score_slots(group, index.repeat_interleave(lengths), positions)
+    scores = group.score_slots(index.repeat_interleave(lengths), positions)
     return entries.T.contiguous(), scores.T.contiguous()
 
 

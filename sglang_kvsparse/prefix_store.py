@@ -51,6 +51,8 @@ class PrefixStore:
         self.last_use = torch.full((blocks,), -1, dtype=torch.int64)  # -1: free block
         self.pins = torch.zeros(blocks, dtype=torch.int64)
         self.holds = torch.zeros(blocks, dtype=torch.int64)  # chunked prompts still to read the block
+        #: Request index -> the blocks its prompt so far is in, held until its last chunk has read them.
+        self.held_by: dict[int, torch.Tensor] = {}
         self._free = list(range(max_blocks, 0, -1))
         self._clock = 0
         #: Reclaimable blocks, counted again only after a change (SGLang asks for the free size
@@ -150,6 +152,30 @@ class PrefixStore:
         self._reclaimable_blocks = None
         return self._drop(blocks[(self.holds[blocks] == 0) & (self.live[blocks] == 0) & (self.last_use[blocks] >= 0)])
 
+    def hold_for(self, req_idx: int, full_ids: torch.Tensor) -> torch.Tensor:
+        """The request at `req_idx` continues its prefill in a later chunk that reads these ids
+        (its prompt so far): hold their blocks until then, in place of what it held before.
+        Returns the heap rows of blocks that leaves unheld and empty."""
+        blocks = self.blocks_of(full_ids)
+        self.hold(blocks)
+        freed = self.release_held(req_idx)
+        self.held_by[req_idx] = blocks
+        return freed
+
+    def read_held(self, req_idx: int) -> torch.Tensor:
+        """The request at `req_idx` is in its last chunk: what it held is pinned for this forward,
+        after which it is an ordinary cache entry. Returns the heap rows the release freed."""
+        blocks = self.held_by.get(req_idx)
+        if blocks is None:
+            return torch.empty(0, dtype=torch.int64)
+        self.pin_blocks(blocks)
+        return self.release_held(req_idx)
+
+    def release_held(self, req_idx: int) -> torch.Tensor:
+        """The request at `req_idx` holds nothing any more; returns the heap rows freed."""
+        blocks = self.held_by.pop(req_idx, None)
+        return torch.empty(0, dtype=torch.int64) if blocks is None else self.release(blocks)
+
     def adopt(self, ours: torch.Tensor, theirs: torch.Tensor) -> int:
         """SGLang's tree holds the tokens of ids `ours` under ids `theirs` (same positions) and is
         about to free `ours`: move each entry of `ours` to its `theirs` where that has none.
@@ -199,6 +225,7 @@ class PrefixStore:
         """Drop everything (SGLang flushed its cache); returns every heap row the store held."""
         self.unpin_all()
         self.holds.zero_()
+        self.held_by.clear()
         self._reclaimable_blocks = None
         return self._drop(torch.nonzero(self.last_use >= 0).flatten())
 

@@ -1,5 +1,8 @@
 """One lane of the heap's K/V buffers, and one group of sparse columns: its requests' entry and
-score tables, their device mirrors and pending evictions (no SGLang imports)."""
+score tables, their device mirrors and pending evictions, and how they change when SGLang
+allocates a step (`growth`, then `grow`), when a decode step takes its evictions
+(`take_evictions`) and when a request leaves (`release`). The heap rows and each request's
+budget come from the caller (`SparseState`); no SGLang imports."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang_kvsparse.entry_table import EntryTable
+from sglang_kvsparse.entry_table import EntryTable, HeapError
 from sglang_kvsparse.layout import GroupSpec
 
 
@@ -45,6 +48,8 @@ class SparseGroup:
     #: step copies only those few entries, in the plan's one upload (`stale_entries`).
     device_table: torch.Tensor
     device_scores: torch.Tensor
+    #: Entries whose scores one score row holds (`layout.scores_per_row`).
+    scores_per_row: int
     #: Request index -> its entries before this step's eviction, [its max_entries, columns].
     evictions: dict[int, torch.Tensor] = field(default_factory=dict)
     #: Host-table changes the device tables do not have yet: requests (indices) whose entries
@@ -89,6 +94,108 @@ class SparseGroup:
     @property
     def columns(self) -> int:
         return len(self.spec.columns)
+
+    def score_slots(self, req_indices: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Score slots [n, columns] of entries at `positions` of these requests (both [n]): in the
+        request's score rows, or scratch slots in the padding row for a request that never evicts."""
+        per_row = self.scores_per_row
+        pages = self.score_table[req_indices, :, positions // per_row]  # [n, columns]
+        return pages * per_row + (positions % per_row)[:, None]
+
+    # -- what a step's allocation changes ------------------------------------------------------
+    def growth(
+        self,
+        new: torch.Tensor,
+        kept_new: torch.Tensor,
+        score_widths: list[int],
+        stepping: torch.Tensor,
+        max_entries: torch.Tensor,
+        budgets: torch.Tensor,
+    ) -> tuple[int, torch.Tensor]:
+        """(pages this allocation takes in the group, which stepping requests evict first): the
+        `new` requests keep `kept_new` entries each and score rows of `score_widths` per column
+        (0: none), each `stepping` request appends one entry, first cut from its `max_entries`
+        back to its budget (`budgets`, both aligned with `stepping`) when it holds them."""
+        table = self.table
+        if bool(table.active[new].any()):
+            raise HeapError("a new request still holds sparse entries")
+        pages = sum(table.pages_for(int(n)) for n in kept_new)
+        pages += sum(score_widths) * self.columns // table.page_size
+        if stepping.numel() and not bool(table.active[stepping].all()):
+            raise HeapError("a decoding request holds no sparse entries")
+        held = table.lengths[stepping]
+        full = held == max_entries
+        evicting = stepping[full]
+        if any(int(req_idx) in self.evictions for req_idx in evicting):
+            raise HeapError("a request evicts again before its previous eviction ran in a forward")
+        kept = torch.where(full, budgets, held)
+        pages += int((kept % table.page_size == 0).sum()) * self.columns
+        return pages, evicting
+
+    def grow(
+        self,
+        new: torch.Tensor,
+        kept_new: torch.Tensor,
+        score_widths: list[int],
+        stepping: torch.Tensor,
+        evicting: torch.Tensor,
+        evicting_budgets: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Record what `growth` planned, in the heap `rows` taken for it: the new requests'
+        entries and score rows, the evicting requests' cut (their entries before it kept for the
+        step's eviction), the stepping requests' appended entries. Returns the heap rows the cut
+        freed, which the step's forward still reads."""
+        table = self.table
+        offset = 0
+        for req_idx, kept, width in zip(new.tolist(), kept_new.tolist(), score_widths):
+            take = table.pages_for(kept) * table.page_size
+            table.assign(req_idx, kept, rows[offset : offset + take])
+            offset += take
+            if width:
+                take = self.columns * width
+                self.score_table[req_idx, :, :width] = rows[offset : offset + take].view(self.columns, width)
+                offset += take
+        self.mirror_requests(new)
+        freed = []
+        for req_idx, budget in zip(evicting.tolist(), evicting_budgets.tolist()):
+            self.evictions[req_idx] = table.entries(req_idx)
+            freed.append(table.shrink(req_idx, budget))
+        growing = table.needing_page(stepping)
+        starts = table.lengths[growing]
+        table.append(stepping, rows[offset:])
+        self.mirror_pages(growing, starts)
+        return torch.cat(freed) if freed else torch.empty(0, dtype=torch.int64)
+
+    def take_evictions(self, req_indices: list[int]) -> dict[int, torch.Tensor]:
+        """This decode step's evictions (request index -> its entries before the cut), taken off
+        the group; every pending one must be in the step's batch."""
+        evicting = {i: self.evictions.pop(i) for i in req_indices if i in self.evictions}
+        if self.evictions:
+            raise HeapError(
+                f"requests {sorted(self.evictions)} evicted but are not in this decode batch ({req_indices})"
+            )
+        return evicting
+
+    def release(self, req_idx: int) -> torch.Tensor:
+        """Everything the request holds in the group (entries, score rows; none: empty), as heap
+        rows to give back; its pending eviction is dropped."""
+        self.evictions.pop(req_idx, None)
+        parts = []
+        if self.table.is_active(req_idx):
+            parts.append(self.table.release(req_idx))
+        if bool(self.score_table[req_idx, 0, 0]):
+            held = self.score_table[req_idx]
+            parts.append(held[held > 0])
+            self.score_table[req_idx] = 0
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def rows_held(self) -> int:
+        """Heap rows the group's requests hold: entries (pending evictions' included) and scores."""
+        return self.table.rows_held() + self.score_rows()
+
+    def score_rows(self) -> int:
+        return int((self.score_table > 0).sum())
 
 
 def _line_spans(lines: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:

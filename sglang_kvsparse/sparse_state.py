@@ -2,49 +2,43 @@
 
 `SparseState` is the `AuxCache` SGLang keeps in step with its requests (`ReqToTokenPool`):
 SGLang calls `alloc_to_lengths` when requests grow (prefill, then one token per decode step) and
-`free` on every release path (finish, abort, retraction). It owns, per group of sparse columns
-(`layout.py`), an `EntryTable` of each request's entries (the heap rows they are in), and the
-`PrefixStore` of cached prompt tokens; the rows themselves come from the one KV heap (`HeapRows`:
-SGLang's token allocator), shared with SGLang's full layers.
+`free` on every release path (finish, abort, retraction). It owns each request's record
+(`Requests`), per group of sparse columns a `SparseGroup` (each request's entries, score rows and
+pending eviction), the `PrefixStore` of cached prompt tokens, and the `Heap` through which they
+all take and give rows of the one KV heap, shared with SGLang's full layers.
 
-Each request keeps its own budget and policy (`request_sparsity.py`: the server's by default, or
-those its `custom_params` ask for, which `expect` records); "budget" below is the request's.
-
-Lifecycle of a request in one group: a prefill keeps min(length, budget) entries, each decode
-step appends one, and a request holding its `max_entries` (budget + evict_page) is first cut back to
-`budget` (`growth.py`); the forward moves the best-scored old entries into the kept positions
-(`forward_step.begin_decode` hands the old rows over), and the evicted rows go back to the heap only
-once that forward has been issued (`finish_forward`). A prompt prefilled in chunks keeps nothing
-until its last chunk: earlier chunks' sparse K/V wait in the prefix store, held for the request,
-and the last chunk reads them back as a cached prefix, selecting with the whole prompt in view.
-
-Scores: a request that will outgrow its `max_entries` in a group (its final length, prompt + max new
-tokens, is told by `expect` when SGLang admits it) gets the group's score rows at prefill;
-entry j of column c keeps its scores at score slot `score_rows[j // per_row] * per_row +
-j % per_row` of the lane's score view (the K bytes of those rows as float32). A request that
-never evicts gets none: its score writes go to scratch slots in the padding row, never read.
-
-Memory pressure, in one order for every owner: free rows, then the prefix store's least recently
-used blocks, then SGLang's radix tree (`_make_room`). Admission (`admission.py`) and SGLang's
-decode check (`patches/allocator.py`) ask this state what each request holds and needs, so the
-heap is never promised twice.
+A request (at its own budget and policy, `request_sparsity.py`) keeps min(length, budget)
+entries per sparse column at its prefill, appends one per decode step, and on reaching its
+`max_entries` (budget + evict_page) is cut back to its budget at the step's allocation; that
+decode forward moves the best-scored old entries into the kept positions, and the cut rows go
+back only once the forward has been issued (`finish_forward`). A prompt prefilled in chunks keeps
+nothing until its last chunk, which reads the earlier chunks back from the prefix store and
+selects with the whole prompt in view. A forward first changes the state (`begin_extend` /
+`begin_decode`), then `planning.py` builds its plan, reading the state only. Score rows (the K
+bytes of heap rows as float32) are taken only by requests that will evict; the others' score
+writes go to scratch slots of the padding row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+
 import torch
 
+from sglang_kvsparse.admission import decode_reserve
 from sglang_kvsparse.config import ResolvedSparsity
 from sglang_kvsparse.contracts import HeapRows
 from sglang_kvsparse.counters import Counters
-from sglang_kvsparse.entry_table import EntryTable, HeapExhausted
-from sglang_kvsparse.growth import grow_to_lengths
+from sglang_kvsparse.entry_table import EntryTable, HeapError
+from sglang_kvsparse.heap import Heap
 from sglang_kvsparse.layout import HeapLayout, round_up, scores_per_row
+from sglang_kvsparse.plans import EvictingRequests, ExtendStep, indptr, ranges
 from sglang_kvsparse.policies import ScoringPolicy
 from sglang_kvsparse.prefix_store import PrefixStore
 from sglang_kvsparse.released_ids import ReleasedIds
-from sglang_kvsparse.request_sparsity import SERVER_GROUPING, SERVER_SETTING, RequestSparsity
-from sglang_kvsparse.request_table import Phase, RequestTable
+from sglang_kvsparse.request_sparsity import SERVER_SETTING, RequestSparsity
+from sglang_kvsparse.requests import Phase, Requests
 from sglang_kvsparse.sentences import SentenceMarks
 from sglang_kvsparse.sparse_group import LaneBuffers, SparseGroup
 
@@ -62,7 +56,7 @@ class SparseState:
         heap_rows: int,
         prefix_cache: bool = False,
     ) -> None:
-        """`heap_rows`: rows of the heap (SGLang's ids are 1..heap_rows, pages of `heap.page_size`).
+        """`heap`: SGLang's allocator, raw (ids 1..heap_rows, pages of `heap.page_size`).
         `prefix_cache`: keep prompt tokens' sparse K/V for radix-tree hits (SGLang's cache is on)."""
         self.resolved = resolved
         self.config = resolved.config
@@ -72,7 +66,6 @@ class SparseState:
         if len(lanes) != self.layout.lanes:
             raise ValueError(f"{len(lanes)} lane buffers for a layout of {self.layout.lanes} lanes")
         self.policy = resolved.config.policy
-        self.heap = heap
         self.lanes = lanes
         self.dense_capacity = heap_rows
         self.groups: list[SparseGroup] = []
@@ -85,7 +78,9 @@ class SparseState:
             scores = torch.zeros(max_requests, len(spec.columns), score_rows, dtype=torch.int64)
             device_table = torch.zeros(table.table.shape, dtype=torch.int32, device=device)
             device_scores = torch.zeros(scores.shape, dtype=torch.int32, device=device)
-            self.groups.append(SparseGroup(spec, table, first, scores, device_table, device_scores))
+            self.groups.append(
+                SparseGroup(spec, table, first, scores, device_table, device_scores, self.scores_per_row)
+            )
             first += len(spec.columns)
         store_blocks = heap_rows // max(self.layout.num_columns * self.page_size, 1)
         self.store = (
@@ -93,33 +88,75 @@ class SparseState:
             if prefix_cache and self.groups
             else None
         )
-        self.requests = RequestTable(max_requests)
+        self.requests = Requests(max_requests)
         self.counters = Counters()
         #: SGLang's freed ids on their way to the host, for the prefix store (None without one).
         self.released = ReleasedIds(self.store, heap, self.counters) if self.store is not None else None
-        self._deferred: list[torch.Tensor] = []  # evicted rows to give back after the forward
+        self.heap = Heap(heap, self.store, self.released, self.describe_heap)
         self.sentence_marks: SentenceMarks | None = None  # the server's, when it has a tokenizer
 
     # -- AuxCache (called by SGLang's ReqToTokenPool) --------------------------------------
     def alloc_to_lengths(self, *, req_pool_indices_cpu: torch.Tensor, target_seq_lens_cpu: torch.Tensor) -> None:
-        """Grow each request to its target length (see the module doc). All-or-nothing: every group is
-        checked and the heap rows taken before anything changes."""
-        grow_to_lengths(
-            self, req_pool_indices_cpu.to(torch.int64).reshape(-1), target_seq_lens_cpu.to(torch.int64).reshape(-1)
-        )
+        """Grow each request to its target length: a prefill gets min(length, budget) entries per
+        sparse column, and score rows where it will evict; a decode step appends one entry, first
+        cutting a request that holds its `max_entries` back to its budget (the evicted heap rows go
+        back after the forward). All-or-nothing: every group and phase is checked and the heap
+        rows taken before anything changes."""
+        req_indices = req_pool_indices_cpu.to(torch.int64).reshape(-1)
+        targets = target_seq_lens_cpu.to(torch.int64).reshape(-1)
+        requests = self.requests
+        phases = requests.phase[req_indices]
+        if bool((phases == Phase.FREE).any()):
+            raise HeapError("SGLang allocated tokens for a request index the sparse layers never admitted")
+        prefilling = phases <= Phase.CHUNKED
+        stepping = req_indices[~prefilling]
+        if bool((targets[~prefilling] != requests.length[stepping] + 1).any()):
+            raise HeapError(
+                "a running request grows by more than one token: only one decode token per step is supported"
+            )
+        chunk = prefilling & (targets < requests.fill_len[req_indices])  # a chunk before the prompt's last
+        new = prefilling & ~chunk
+        new_indices, new_lens = req_indices[new], targets[new]
+        plans = []
+        for group in self.groups:
+            kept_new = torch.minimum(new_lens, self.budgets(group, new_indices))
+            widths = self._score_widths(group, new_indices)
+            pages, evicting = group.growth(
+                new_indices,
+                kept_new,
+                widths,
+                stepping,
+                self.max_entries(group, stepping),
+                self.budgets(group, stepping),
+            )
+            plans.append((kept_new, widths, pages, evicting))
+        total = sum(pages for _, _, pages, _ in plans) * self.page_size
+        refills = self.heap.refills
+        taken = self.heap.take(total) if total else torch.empty(0, dtype=torch.int64)
+        if not bool(prefilling.any()):
+            self.counters.decode_refills += self.heap.refills - refills
+        offset = 0
+        for group, (kept_new, widths, pages, evicting) in zip(self.groups, plans):
+            mine = taken[offset : offset + pages * self.page_size]
+            offset += mine.numel()
+            cut = group.grow(new_indices, kept_new, widths, stepping, evicting, self.budgets(group, evicting), mine)
+            if cut.numel():
+                self.heap.defer(cut)
+        requests.length[req_indices] = targets
+        requests.move(req_indices[chunk], Phase.CHUNKED)
+        requests.move(req_indices[new], Phase.PREFILLING)
+        requests.move(stepping, Phase.DECODING)
+        self.counters.requests_running_peak = max(self.counters.requests_running_peak, self.requests_running())
+        if bool(prefilling.any()):  # a prefill's allocation, where the host may wait: never a decode step's
+            self.heap.reserve(decode_reserve(self))
 
     def free(self, req_idx: int) -> None:
         """Release what the request at `req_idx` holds in every group (none: a no-op)."""
-        self._release_held(req_idx)
-        self.requests.clear(req_idx)
+        if self.store is not None:
+            self.heap.give(self.store.release_held(req_idx))
+        self.requests.release(req_idx)
         for group in self.groups:
-            group.evictions.pop(req_idx, None)
-            if group.table.is_active(req_idx):
-                self.heap.give(group.table.release(req_idx))
-            if bool(group.score_table[req_idx, 0, 0]):
-                held = group.score_table[req_idx]
-                self.heap.give(held[held > 0])
-                group.score_table[req_idx] = 0
+            self.heap.give(group.release(req_idx))
 
     def expect(
         self,
@@ -132,17 +169,14 @@ class SparseState:
         prompt and max new tokens): those that outgrow their budget in a group get score rows
         there. `fill_lens`: the lengths their prefills reach (a shorter allocation is a chunk).
         `settings`: each request's own (`request_sparsity.py`; default the server's)."""
-        index = torch.tensor(req_indices, dtype=torch.int64)
-        requests = self.requests
-        requests.final_len[index] = torch.tensor(final_lens, dtype=torch.int64)
-        if fill_lens is not None:
-            requests.fill_len[index] = torch.tensor(fill_lens, dtype=torch.int64)
         settings = settings if settings is not None else [SERVER_SETTING] * len(req_indices)
-        requests.budget[index] = torch.tensor([s.own_budget(self.resolved) for s in settings], dtype=torch.int64)
-        for req_idx, setting in zip(req_indices, settings):
-            requests.policy[req_idx] = setting.policy
-        new = requests.is_(Phase.FREE, index)  # a chunked prompt's later chunks keep the record of its first
-        requests.phase[index[new]] = Phase.ADMITTED
+        new = self.requests.admit(
+            torch.tensor(req_indices, dtype=torch.int64),
+            torch.tensor(final_lens, dtype=torch.int64),
+            None if fill_lens is None else torch.tensor(fill_lens, dtype=torch.int64),
+            settings,
+            lambda setting: setting.own_budget(self.resolved),
+        )
         counts = self.counters.requests_by_setting
         for setting in (s for s, is_new in zip(settings, new.tolist()) if is_new):
             counts[setting.label] = counts.get(setting.label, 0) + 1
@@ -151,7 +185,7 @@ class SparseState:
         """Release every request, the deferred evictions and the prefix store, giving rows back."""
         if self.released is not None:
             self.released.settle(wait=True)
-        for req_idx in torch.nonzero(self.requests.phase).flatten().tolist():
+        for req_idx in self.requests.held_requests().tolist():
             self.free(req_idx)
         self.finish_forward()
         if self.store is not None:
@@ -165,107 +199,85 @@ class SparseState:
             group.evictions.clear()
             group.score_table.zero_()
         self.requests.reset()
-        self._deferred.clear()
+        self.heap.forget_deferred()
         if self.store is not None:
             self.store.clear()
             self.released.clear()
 
-    # -- the heap, for SGLang's allocator hooks ----------------------------------------------
-    def reclaimable_rows(self) -> int:
-        """Heap rows the prefix store would give back on demand (they count as free)."""
-        return self.store.reclaimable_rows() if self.store is not None else 0
+    # -- a forward's changes, before it is planned ---------------------------------------
+    def begin_extend(
+        self,
+        req_indices: Sequence[int],
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        prefix_ids: Sequence[torch.Tensor] = (),
+        new_ids: torch.Tensor | None = None,
+    ) -> ExtendStep:
+        """A prefill forward: counted; the prefix store read and written (a last chunk's held
+        blocks pinned, a chunk's tokens stored and held for the prompt's next chunk, other new
+        tokens stored where the heap has room); the heap rows a guided prefill's new tokens wait
+        in taken; the host free list topped up. With the prefix store, `prefix_ids` (per
+        request, SGLang's full-pool ids of its matched prefix) and `new_ids` (the batch's new
+        tokens' ids, request-major) are required."""
+        index = torch.tensor(list(req_indices), dtype=torch.int64)
+        prefix = torch.tensor([int(n) for n in prefix_lens], dtype=torch.int64)
+        extend = torch.tensor([int(n) for n in extend_lens], dtype=torch.int64)
+        if bool(prefix.any()) and self.store is None:
+            raise HeapError("an extend with a cached prefix reached the sparse layers without a prefix store")
+        partial = self.requests.is_(Phase.CHUNKED, index)
+        held = self.store.held_by if self.store is not None else {}
+        hits = [int(n) for n, i in zip(prefix, index.tolist()) if n and i not in held]
+        counters = self.counters
+        counters.forward_plans += 1
+        counters.chunks_stored += int(partial.sum())
+        counters.prefix_hits += len(hits)
+        counters.prefix_tokens_reused += sum(hits)
+        policies = {self.requests.policy[i] or self.policy for i in index.tolist()}
+        counters.scoring_passes_peak = max(counters.scoring_passes_peak, len(policies) or 1)
+        step = ExtendStep(index, prefix, extend, partial)
+        if self.store is not None:
+            if new_ids is None or len(prefix_ids) != len(index):
+                raise HeapError("a prefill with the prefix store needs every request's prefix ids and the new ids")
+            prefix_rows, store_rows, store_positions = self._use_store(step, prefix_ids, new_ids)
+            step = replace(step, prefix_rows=prefix_rows, store_rows=store_rows, store_positions=store_positions)
+        elif bool(partial.any()):
+            raise HeapError("a chunked prefill reached the sparse layers without a prefix store")
+        work_rows, work_positions = self._take_guide_rows(step)
+        step = replace(step, work_rows=work_rows, work_positions=work_positions)
+        # The store took its rows: top the host free list up again to what the running requests'
+        # decode steps will take (as the prefill's allocation did), so none waits on the device.
+        self.heap.reserve(decode_reserve(self))
+        return step
 
-    def reclaim(self, rows: int) -> None:
-        """Give back prefix-store blocks, least recently used first, until `rows` rows are free
-        (SGLang's frees that have reached the host first)."""
-        if self.released is not None:
-            self.released.settle()
-        short = rows - self.heap.free_rows()
-        if short > 0 and self.store is not None:
-            self.heap.give(self.store.reclaim(short))
-
-    def released_rows(self) -> int:
-        """Rows SGLang freed that are on their way back to the heap (free, usable once settled)."""
-        return self.released.rows if self.released is not None else 0
-
-    def hold_for_next_chunk(self, req_idx: int, full_ids: torch.Tensor) -> None:
-        """The request at `req_idx` continues its prefill in a later chunk that reads these ids (its
-        prompt so far): hold their store blocks until then, in place of what it held before."""
-        blocks = self.store.blocks_of(full_ids)
-        self.store.hold(blocks)
-        self._release_held(req_idx)
-        self.requests.held[req_idx] = blocks
-
-    def continues_chunks(self, req_idx: int) -> bool:
-        """Whether the request at `req_idx` is past the first chunk of a chunked prefill."""
-        return req_idx in self.requests.held
-
-    def read_held(self, req_idx: int) -> None:
-        """The request at `req_idx` is in its last chunk: what it held is pinned for this forward,
-        after which it is an ordinary cache entry."""
-        blocks = self.requests.held.get(req_idx)
-        if blocks is not None:
-            self.store.pin_blocks(blocks)
-            self._release_held(req_idx)
-
-    def _release_held(self, req_idx: int) -> None:
-        blocks = self.requests.held.pop(req_idx, None)
-        if blocks is not None:
-            self.heap.give(self.store.release(blocks))
+    def begin_decode(self, req_indices: Sequence[int]) -> list[EvictingRequests]:
+        """A decode step: its evictions (cut by the allocation) taken off the groups, one record
+        per group and (budget, policy) among them."""
+        self.counters.forward_plans += 1
+        listed = [int(i) for i in req_indices]
+        evicting_groups = []
+        for g, group in enumerate(self.groups):
+            if not group.evictions:  # most steps: no Python pass over the batch
+                continue
+            olds = group.take_evictions(listed)
+            evicting = list(olds)
+            members: dict[tuple[int, ScoringPolicy | None], list[int]] = {}
+            budgets = self.budgets(group, torch.tensor(evicting, dtype=torch.int64)).tolist()
+            for req_idx, budget in zip(evicting, budgets):
+                members.setdefault((budget, self.requests.policy[req_idx]), []).append(req_idx)
+            for (budget, policy), indices in members.items():
+                evicting_groups.append(EvictingRequests(g, budget, policy, indices, [olds[i] for i in indices]))
+            self.counters.evictions += len(evicting)
+        self.counters.evictions_per_step_peak = max(self.counters.evictions_per_step_peak, len(evicting_groups))
+        return evicting_groups
 
     def finish_forward(self) -> None:
         """The step's forward has been issued: give back the rows its evictions read, and unpin
         the prefixes its prefill read."""
-        if self._deferred:
-            self.heap.give(torch.cat(self._deferred))
-            self._deferred.clear()
+        self.heap.finish_forward()
         if self.store is not None:
             self.store.unpin_all()
 
-    def guided(self, budgets: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
-        """Which requests (host [B], by their budgets in one group and whole sequence lengths) a
-        selecting prefill keeps by the guide: with guide layers, those longer than their budget
-        and, with `guide_below`, whose budget is below that share of their sequence; None without
-        guide layers."""
-        if not self.resolved.guide_layers:
-            return None
-        over = seq_lens > budgets
-        share = self.config.guide_below
-        return over if share is None else over & (budgets < share * seq_lens)
-
-    def guide_rows(self, tokens: int) -> int:
-        """Heap rows `tokens` new tokens of a guided prefill wait in, one per sparse column (whole
-        pages), from the sparse layers' own attention until the guide has chosen."""
-        return round_up(tokens, self.page_size) * self.layout.num_columns
-
-    def take_for_forward(self, rows: int) -> torch.Tensor:
-        """`rows` heap rows (host) that this forward uses and gives back once it has been issued
-        (`finish_forward`), as an eviction's old rows."""
-        taken = self.take(rows)
-        self.defer(taken)
-        return taken
-
-    def defer(self, rows: torch.Tensor) -> None:
-        """Give these heap rows back once the step's forward has been issued (`finish_forward`):
-        it still reads them."""
-        self._deferred.append(rows)
-
-    def rows_held(self, req_idx: int) -> int:
-        """Heap rows the request at `req_idx` holds in the sparse columns now (scores included)."""
-        return sum(
-            group.columns * round_up(group.table.length(req_idx), self.page_size)
-            + int((group.score_table[req_idx] > 0).sum())
-            for group in self.groups
-            if group.table.is_active(req_idx)
-        )
-
-    def score_slots(self, group: SparseGroup, req_indices: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Score slots [n, columns] of entries at `positions` of these requests (both [n]): in the
-        request's score rows, or scratch slots in the padding row for a request that never evicts."""
-        per_row = self.scores_per_row
-        pages = group.score_table[req_indices, :, positions // per_row]  # [n, columns]
-        return pages * per_row + (positions % per_row)[:, None]
-
+    # -- the prefix store ----------------------------------------------------------------
     def reusable_prefix_len(self, prefix_ids: torch.Tensor, seq_len: int) -> int:
         """How much of a radix match of `prefix_ids` a prefill of `seq_len` tokens can reuse: the
         leading ids with store entries, leaving the last `window` tokens (the queries the
@@ -286,12 +298,14 @@ class SparseState:
             self.store.unpin(prefix_ids)
 
     # -- queries -------------------------------------------------------------------------
-    def own_settings_running(self) -> set[tuple[int, ScoringPolicy | None]]:
-        """The distinct own settings (own budget, policy) of the running requests, as the sparse
-        layers group them (`RequestSparsity.grouping`); the server's is not one."""
-        running = self.requests.running_requests().tolist()
-        settings = {(int(self.requests.budget[i]), self.requests.policy[i]) for i in running}
-        return settings - {SERVER_GROUPING}
+    def rows_held(self, req_idx: int) -> int:
+        """Heap rows the request at `req_idx` holds in the sparse columns now (scores included)."""
+        return sum(
+            group.columns * round_up(group.table.length(req_idx), self.page_size)
+            + int((group.score_table[req_idx] > 0).sum())
+            for group in self.groups
+            if group.table.is_active(req_idx)
+        )
 
     def requests_running(self) -> int:
         return int(self.requests.running().sum())
@@ -299,16 +313,6 @@ class SparseState:
     def running_requests(self) -> torch.Tensor:
         """The indices of the running requests."""
         return self.requests.running_requests()
-
-    def sparse_rows(self, group: SparseGroup) -> int:
-        """Heap rows the group's requests hold: entries (pending evictions' included) and scores."""
-        return group.table.rows_held() + self.score_rows(group)
-
-    def score_rows(self, group: SparseGroup) -> int:
-        return int((group.score_table > 0).sum())
-
-    def deferred_rows(self) -> int:
-        return sum(rows.numel() for rows in self._deferred)
 
     def budgets(self, group: SparseGroup, req_indices: torch.Tensor) -> torch.Tensor:
         """Each of these requests' budget in the group: its own, or the group's."""
@@ -321,61 +325,76 @@ class SparseState:
         mine = (own + self.config.evict_page).clamp(max=self.resolved.context_len)
         return torch.where(own > 0, mine, group.spec.max_entries)
 
-    def take(self, rows: int) -> torch.Tensor:
-        """`rows` heap rows (host) for request entries, making room first; raises HeapExhausted
-        (changing nothing held) when even that leaves too few: admission promised more than the
-        heap has."""
-        self._make_room(rows)
-        taken = self.heap.take(rows)
-        if taken is None:
-            raise HeapExhausted(
-                f"the KV heap has {self.heap.free_rows()} free rows for {rows} sparse entries: "
-                f"admission let in more than fits ({self.describe_heap()})"
-            )
-        return taken
-
-    def decode_reserve(self) -> int:
-        """Heap rows the running requests may take in their coming decode steps before their own
-        evictions give rows back: per group and request, the pages from what it holds up to the
-        most it will hold (its `max_entries`, or its final length when shorter), and one more."""
-        running = self.running_requests()
-        page = self.page_size
-        total = 0
-        for group in self.groups:
-            holding = running[group.table.active[running]]
-            final = self.requests.final_len[holding]
-            final = torch.where(final == 0, self.resolved.context_len, final)
-            most = torch.minimum(self.max_entries(group, holding), final)
-            pages = (most + page - 1) // page - (group.table.lengths[holding] + page - 1) // page
-            total += int((pages.clamp(min=0) + 1).sum()) * page * group.columns
-        return total
-
     def describe_heap(self) -> str:
         """Who holds the heap's rows, for an error message."""
         store = "no store"
         if self.store is not None:
-            store = f"prefix store {self.store.rows()} ({self.reclaimable_rows()} reclaimable)"
-        sparse = ", ".join(f"group {i}: {self.sparse_rows(g)}" for i, g in enumerate(self.groups))
+            store = f"prefix store {self.store.rows()} ({self.heap.reclaimable_rows()} reclaimable)"
+        sparse = ", ".join(f"group {i}: {g.rows_held()}" for i, g in enumerate(self.groups))
         return (
             f"{self.requests_running()} requests, sparse rows {sparse}; {store}; "
-            f"{self.deferred_rows()} evicted rows awaiting the forward"
+            f"{self.heap.deferred_rows()} evicted rows awaiting the forward"
         )
 
-    def take_for_store(self, rows: int) -> torch.Tensor:
-        """Up to `rows` heap rows for the prefix store, whole store blocks only, making room first
-        (best effort: a cache entry is never a promise)."""
-        per_block = self.store.rows_per_block
-        self._make_room(rows)
-        rows = min(rows, self.heap.free_rows()) // per_block * per_block
-        taken = self.heap.take(rows) if rows else None
-        return torch.empty(0, dtype=torch.int64) if taken is None else taken
+    # -- growth (alloc_to_lengths) -------------------------------------------------------
+    def _score_widths(self, group: SparseGroup, req_indices: torch.Tensor) -> list[int]:
+        """Score rows per column each of these new requests takes in the group: those of its
+        `max_entries` if it will evict (one of unknown final length may grow to the context
+        length), else none."""
+        most = self.max_entries(group, req_indices)
+        final = self.requests.final_len[req_indices]
+        evicts = torch.where(final == 0, self.resolved.context_len, final) > most
+        return [self.layout.score_rows(n) if e else 0 for n, e in zip(most.tolist(), evicts.tolist())]
 
-    def _make_room(self, rows: int) -> None:
-        """Free rows, then the prefix store's LRU blocks, then SGLang's radix tree, then SGLang's
-        frees still on their way to the host (waiting for them)."""
-        self.reclaim(rows)
-        if self.heap.free_rows() < rows:
-            self.heap.evict_cache(rows)
-            self.reclaim(rows)
-        if self.heap.free_rows() < rows and self.released is not None:
-            self.released.settle(wait=True)
+    # -- a prefill's store and guide rows (begin_extend) ---------------------------------
+    def _take_guide_rows(self, step: ExtendStep) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """(per sparse column, the heap rows [n] the new tokens of the requests some group keeps by
+        the guide wait in; their positions [n] among the batch's new tokens). Admission charged them
+        (`prefill_charge`); they go back once the forward has been issued."""
+        seq_lens = step.seq_lens
+        waiting = torch.zeros(len(step.req_indices), dtype=torch.bool)
+        for group in self.groups:
+            guided = self.resolved.guided(self.budgets(group, step.req_indices), seq_lens)
+            if guided is not None:
+                waiting |= guided & ~step.partial
+        if not bool(waiting.any()):
+            return (), None
+        positions = ranges(indptr(step.extend_lens)[:-1][waiting], step.extend_lens[waiting])
+        rows = self.layout.guide_rows(positions.numel())
+        self.counters.guide_rows_peak = max(self.counters.guide_rows_peak, rows)
+        taken = self.heap.take_for_forward(rows).view(self.layout.num_columns, -1)
+        return tuple(taken[:, : positions.numel()]), positions
+
+    def _use_store(
+        self, step: ExtendStep, prefix_ids: Sequence[torch.Tensor], new_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the prefixes' store rows [num_columns, n_prefix], the stored new tokens' store rows
+        [num_columns, n_stored], those tokens' positions among the batch's new tokens [n_stored]).
+
+        A last chunk's held blocks are pinned for this forward; the tokens of chunks before a
+        prompt's last are stored (admission charged their rows) and their request holds its prompt
+        so far for its next chunk; only then, best effort, the other new tokens get store rows,
+        which may reclaim unpinned, unheld store blocks."""
+        store, index, partial, extend = self.store, step.req_indices, step.partial, step.extend_lens
+        parts = [ids.to("cpu", torch.int64) for ids in prefix_ids]
+        prefix = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        prefix_rows = store.lookup(prefix)
+        store.touch(prefix)
+        for req_idx in index[~partial].tolist():
+            self.heap.give(store.read_held(req_idx))  # pinned before any take below, which may reclaim the store
+        new = new_ids.to("cpu", torch.int64)
+        chunk_tokens = partial.repeat_interleave(extend)
+        must, rest = torch.nonzero(chunk_tokens).flatten(), torch.nonzero(~chunk_tokens).flatten()
+        blocks = -(-must.numel() // store.page_size)
+        chunk_rows = store.put(new[must], self.heap.take(blocks * store.rows_per_block)) if must.numel() else None
+        if chunk_rows is not None and chunk_rows.shape[0] != must.numel():
+            raise HeapError(f"the prefix store took {chunk_rows.shape[0]} of a chunk's {must.numel()} tokens")
+        news = new.split(extend.tolist())
+        for b in torch.nonzero(partial).flatten().tolist():  # held before the best-effort take below
+            self.heap.give(store.hold_for(int(index[b]), torch.cat([parts[b], news[b]])))
+        wanted = -(-rest.numel() // store.page_size) * store.rows_per_block
+        stored = store.put(new[rest], self.heap.take_for_store(wanted)) if rest.numel() else None
+        row_parts = [r for r in (chunk_rows, stored) if r is not None]
+        rows = torch.cat(row_parts) if row_parts else torch.empty(0, store.columns, dtype=torch.int64)
+        positions = torch.cat([must, rest[: 0 if stored is None else stored.shape[0]]])
+        return prefix_rows.T, rows.T, positions

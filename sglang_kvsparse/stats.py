@@ -119,15 +119,13 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
     running = state.running_requests()
     full_running = int(((state.requests.length[running] + page - 1) // page).sum()) * page
     group_stats = [
-        GroupStats(
-            g.spec.budget, g.spec.max_entries, g.columns, list(g.spec.layers), state.sparse_rows(g), state.score_rows(g)
-        )
+        GroupStats(g.spec.budget, g.spec.max_entries, g.columns, list(g.spec.layers), g.rows_held(), g.score_rows())
         for g in state.groups
     ]
     sparse = sum(g.rows for g in group_stats)
     store = state.store.rows() if state.store is not None else 0
-    evicting = state.deferred_rows()
-    releasing = state.released_rows()
+    evicting = state.heap.deferred_rows()
+    releasing = state.heap.released_rows()
     total = state.dense_capacity
     heap = HeapStats(
         rows_total=total,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+import torch
+
 if TYPE_CHECKING:
     from sglang_kvsparse.config.schema import SparsityConfig
 
@@ -47,6 +49,17 @@ class ResolvedSparsity:
         if value is None:
             raise ValueError(f"layer {layer} is a full layer and has no budget")
         return value
+
+    def guided(self, budgets: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
+        """Which requests (host [B], by their budgets in one group and whole sequence lengths) a
+        selecting prefill keeps by the guide: with guide layers, those longer than their budget
+        and, with `guide_below`, whose budget is below that share of their sequence; None without
+        guide layers."""
+        if not self.guide_layers:
+            return None
+        over = seq_lens > budgets
+        share = self.config.guide_below
+        return over if share is None else over & (budgets < share * seq_lens)
 
     def max_entries(self, layer: int) -> int:
         """Most entries one request can hold in the layer at any time.

@@ -16,8 +16,10 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def admission(monkeypatch):
     from sglang_kvsparse.patches import admission, context
+    from sglang_kvsparse.requests import Requests
 
-    monkeypatch.setattr(context, "_state", SimpleNamespace(resolved=SimpleNamespace(context_len=8192)))
+    state = SimpleNamespace(resolved=SimpleNamespace(context_len=8192), requests=Requests(4))
+    monkeypatch.setattr(context, "_state", state)
     monkeypatch.setattr(context, "_round", None)
     monkeypatch.setattr(admission, "prefill_charge", lambda *a: 7)
     monkeypatch.setattr(admission, "prefill_guide_rows", lambda *a: 0)
@@ -40,6 +42,7 @@ def _adder() -> Adder:
 
 def _chunked_req() -> SimpleNamespace:
     return SimpleNamespace(
+        rid="chunked",
         origin_input_ids=[1] * 3000,
         output_ids=[],
         prefix_len=1024,
@@ -109,12 +112,13 @@ def test_a_request_refused_while_guided_prefills_hold_rows_is_tried_next_round(m
 
     from sglang_kvsparse.admission import AdmissionRound
     from sglang_kvsparse.patches import admission, context
+    from sglang_kvsparse.requests import Requests
 
     state = SimpleNamespace(
         resolved=SimpleNamespace(context_len=8192, request_cap=8192),
         store=None,
         counters=SimpleNamespace(guide_waits=0, setting_waits=0),
-        own_settings_running=set,
+        requests=Requests(4),
     )
     monkeypatch.setattr(context, "_state", state)
     monkeypatch.setattr(context, "_round", None)

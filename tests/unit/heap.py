@@ -18,6 +18,7 @@ from sglang_kvsparse.config import SparsityConfig
 from sglang_kvsparse.planning import plan_decode, plan_extend
 from sglang_kvsparse.plans import ForwardPlan
 from sglang_kvsparse.policies import ScoringPolicy, SnapKVPolicy
+from sglang_kvsparse.requests import Phase
 from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
 from sglang_kvsparse.sparse_group import LaneBuffers
 from sglang_kvsparse.sparse_state import SparseState
@@ -133,6 +134,11 @@ def make_state(
 
 
 def grow(state: SparseState, req_indices, lengths) -> None:
+    """SGLang's allocation of these requests' tokens; as SGLang gives a request its index first
+    (`SparseState.expect`), one the test did not admit is admitted here, its final length unknown."""
+    new = [req_idx for req_idx in req_indices if state.requests.phase[req_idx] == Phase.FREE]
+    if new:
+        state.expect(new, [0] * len(new))
     state.alloc_to_lengths(req_pool_indices_cpu=torch.tensor(req_indices), target_seq_lens_cpu=torch.tensor(lengths))
 
 

@@ -54,7 +54,7 @@ def test_admitted_requests_decode_to_their_end_without_exhausting_the_heap():
     for row, final in finals.items():
         running = [(r, finals[r], 1.0) for r in admitted]
         stock = sum(finals[r] - lengths[r] for r in admitted)  # SGLang's own reserve (ratio 1)
-        remaining = heap.free_rows() + state.reclaimable_rows() - stock - running_growth(state, running)
+        remaining = heap.free_rows() + state.heap.reclaimable_rows() - stock - running_growth(state, running)
         prompt = final // 2
         charge = prompt + (final - prompt) + PAGE + rows_to_hold(state, final)
         if charge < remaining:
@@ -79,16 +79,16 @@ def test_admitted_requests_decode_to_their_end_without_exhausting_the_heap():
 def test_a_pinned_prefix_stops_counting_as_free():
     state, heap = state_on_heap(rows=240, prefix_cache=True)
     ids = heap.sglang_alloc(12)
-    state.store.put(ids, state.take_for_store(12 * 3))  # a finished prompt's 12 tokens, evictable
-    assert state.reclaimable_rows() == 36
+    state.store.put(ids, state.heap.take_for_store(12 * 3))  # a finished prompt's 12 tokens, evictable
+    assert state.heap.reclaimable_rows() == 36
     assert state.store.unpinned_rows_of(ids[:8]) == 24
     state.pin_prefix(ids[:8])  # a request reusing 8 of them is admitted
-    assert state.reclaimable_rows() == 12 and state.store.unpinned_rows_of(ids) == 12
+    assert state.heap.reclaimable_rows() == 12 and state.store.unpinned_rows_of(ids) == 12
     state.unpin_prefix(ids[:8])  # ...or refused after all
-    assert state.reclaimable_rows() == 36
+    assert state.heap.reclaimable_rows() == 36
     state.pin_prefix(ids[:8])
     state.finish_forward()  # its forward was issued
-    assert state.reclaimable_rows() == 36
+    assert state.heap.reclaimable_rows() == 36
 
 
 def test_a_request_sharing_a_prompt_admitted_this_round_waits_for_its_prefix():

@@ -9,7 +9,7 @@ from sglang_kvsparse.admission import prefill_charge, prefill_peak_rows, rows_to
 from sglang_kvsparse.guide import PrefillGuide
 from sglang_kvsparse.planning import plan_decode, plan_extend
 from sglang_kvsparse.plans import MixedPlan
-from sglang_kvsparse.request_table import Phase
+from sglang_kvsparse.requests import Phase
 from sglang_kvsparse.sparse_attention import sparse_extend, sparse_mixed
 
 from .heap import H_KV, D, grow, make_state
@@ -24,7 +24,7 @@ def kept(state, req_idx):
     group = state.groups[place.group]
     rows = group.table.entries(req_idx)[:, place.column]
     n = rows.numel()
-    scores = state.score_slots(group, torch.full((n,), req_idx), torch.arange(n))[:, place.column]
+    scores = group.score_slots(torch.full((n,), req_idx), torch.arange(n))[:, place.column]
     lane = state.lanes[place.lane]
     return lane.k[rows].clone(), lane.v[rows].clone(), lane.scores[scores].clone()
 
@@ -109,7 +109,7 @@ def test_a_chunked_prompt_keeps_scores_and_outputs_what_the_unchunked_prompt_doe
         )
         assert state.requests.phase[1] == Phase.CHUNKED and not state.groups[0].table.is_active(1)
         prompt_ids = torch.cat([prompt_ids, chunk_ids])
-        assert state.reclaimable_rows() == 0  # the chunks so far are held, not cache
+        assert state.heap.reclaimable_rows() == 0  # the chunks so far are held, not cache
         assert state.store.valid_prefix_len(prompt_ids) == end
         start = end
     last = slice(ends[-2], None)
@@ -127,18 +127,18 @@ def test_a_chunked_prompt_keeps_scores_and_outputs_what_the_unchunked_prompt_doe
         torch.cat([v1[last], v2]),
     )
     outputs.append(out)
-    assert state.requests.phase[1] == Phase.DECODING
+    assert state.requests.phase[1] == Phase.PREFILLING  # its last chunk allocated; DECODING from its first token
     assert torch.allclose(torch.cat(outputs), whole, atol=1e-5)
     for req_idx in (1, 2):
         for mine, theirs in zip(kept(state, req_idx), kept(whole_state, req_idx)):
             assert torch.allclose(mine, theirs, atol=1e-6)
     assert state.counters.chunks_stored == len(ends) - 1
-    assert state.reclaimable_rows() == state.store.rows()  # after the last chunk: plain cache entries
+    assert state.heap.reclaimable_rows() == state.store.rows()  # after the last chunk: plain cache entries
     for req_idx in (1, 2):
         state.free(req_idx)
     heap.sglang_free(torch.cat(held))
     assert state.store.rows() == 0 and heap.free_rows() == 1024
-    assert not state.requests.phase.any() and not state.requests.held  # every record FREE
+    assert not state.requests.phase.any() and not state.store.held_by  # every record FREE
 
 
 def test_a_chunked_request_freed_midway_gives_its_held_blocks_back():
@@ -147,9 +147,9 @@ def test_a_chunked_request_freed_midway_gives_its_held_blocks_back():
     ((q, k, v),) = sequences([16])
     ids = heap.sglang_alloc(16)
     forward(state, [3], [0], [16], [torch.empty(0)], ids, q, k, v)
-    assert state.store.rows() == 16 * 3 and state.reclaimable_rows() == 0
+    assert state.store.rows() == 16 * 3 and state.heap.reclaimable_rows() == 0
     state.free(3)  # aborted (or retracted) between chunks
-    assert state.reclaimable_rows() == 16 * 3  # SGLang's tree may still hold the ids: a cache entry now
+    assert state.heap.reclaimable_rows() == 16 * 3  # SGLang's tree may still hold the ids: a cache entry now
     heap.sglang_free(ids)
     assert state.store.rows() == 0 and heap.free_rows() == 256
 

@@ -1,4 +1,4 @@
-"""A forward's state changes happen in its named step (`forward_step.begin_extend` /
+"""A forward's state changes happen in its named step (`SparseState.begin_extend` /
 `begin_decode`); building its plan (`planning.build_extend` / `build_decode`) only reads the
 host state (it brings the device mirrors up to date, which no host decision reads)."""
 
@@ -6,9 +6,8 @@ import dataclasses
 
 import torch
 
-from sglang_kvsparse.forward_step import begin_decode, begin_extend
 from sglang_kvsparse.planning import build_decode, build_extend
-from sglang_kvsparse.request_table import Phase
+from sglang_kvsparse.requests import Phase
 
 from .heap import grow, make_state
 
@@ -20,11 +19,11 @@ def host_state(state, heap) -> dict:
     return {
         "counters": dataclasses.asdict(state.counters),
         "requests": [t.clone() for t in (requests.length, requests.final_len, requests.budget, requests.phase)],
-        "held": {i: b.clone() for i, b in requests.held.items()},
+        "held": {i: b.clone() for i, b in store.held_by.items()},
         "tables": [(g.table.table.clone(), g.table.lengths.clone(), g.score_table.clone()) for g in state.groups],
         "evictions": [sorted(g.evictions) for g in state.groups],
         "free": heap.free_rows(),
-        "deferred": state.deferred_rows(),
+        "deferred": state.heap.deferred_rows(),
         "store": None if store is None else (store.entry_of.clone(), store.pins.clone(), store.holds.clone()),
     }
 
@@ -48,18 +47,23 @@ def test_the_step_changes_the_state_and_the_plan_only_reads_it():
     grow(state, [1, 2], [40, 16])  # request 2 prefills a first chunk of 16 tokens
     new_ids = torch.arange(1, 57)
     before_step = host_state(state, heap)
-    step = begin_extend(state, [1, 2], [0, 0], [40, 16], [torch.empty(0), torch.empty(0)], new_ids)
+    step = state.begin_extend([1, 2], [0, 0], [40, 16], [torch.empty(0), torch.empty(0)], new_ids)
     after_step = host_state(state, heap)
     assert step.partial.tolist() == [False, True] and len(step.work_rows) == state.layout.num_columns
-    assert state.requests.is_(Phase.DECODING, torch.tensor([1, 2])).tolist() == [True, False]
+    # the phase follows the allocations, not the plan: request 1's prefill is allocated, 2's first chunk
+    assert state.requests.phase[[1, 2]].tolist() == [Phase.PREFILLING, Phase.CHUNKED]
     assert after_step["deferred"] > before_step["deferred"]  # the guide's rows, back after the forward
-    assert 2 in state.requests.held  # the chunk's store blocks, held for its next chunk
+    assert 2 in state.store.held_by  # the chunk's store blocks, held for its next chunk
     build_extend(state, step)
     assert_same(after_step, host_state(state, heap))
     state.finish_forward()
-    for length in range(41, 54):
+    grow(state, [1], [41])  # its first decode token: the prefill has run
+    assert state.requests.phase[1] == Phase.DECODING
+    state.begin_decode([1])
+    state.finish_forward()
+    for length in range(42, 54):
         grow(state, [1], [length])
-        evicting = begin_decode(state, [1])
+        evicting = state.begin_decode([1])
         before_plan = host_state(state, heap)
         plan = build_decode(state, [1], evicting)
         assert_same(before_plan, host_state(state, heap))

@@ -49,7 +49,7 @@ def held(state, layer: int, row: int, keys: torch.Tensor) -> tuple[list[list[int
     n = group.table.length(row)
     stored = lane.k[group.table.entries(row)[:n, place.column]]
     positions = [[int((keys[:, h] == stored[e, h]).all(-1).nonzero().item()) for e in range(n)] for h in range(H_KV)]
-    score_slots = state.score_slots(group, torch.full((n,), row), torch.arange(n))[:, place.column]
+    score_slots = group.score_slots(torch.full((n,), row), torch.arange(n))[:, place.column]
     return positions, lane.scores[score_slots].double()
 
 

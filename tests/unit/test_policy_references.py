@@ -140,7 +140,7 @@ class Row:
         `keys` [L, H, D]), and their stored scores [n, H] in float64."""
         n = self.group.table.length(1)
         rows = self.group.table.entries(1)[:n, self.place.column]
-        score_slots = self.state.score_slots(self.group, torch.full((n,), 1), torch.arange(n))[:, self.place.column]
+        score_slots = self.group.score_slots(torch.full((n,), 1), torch.arange(n))[:, self.place.column]
         stored = self.lane.k[rows]
         positions = [
             [int((keys[:, h] == stored[e, h]).all(-1).nonzero().item()) for e in range(n)] for h in range(H_KV)

@@ -171,7 +171,7 @@ def test_requests_with_different_settings_in_one_batch_each_keep_their_own():
     grow(state, req_indices, [prompt] * 3)
     assert group.table.lengths[req_indices].tolist() == [8, 12, 20]
     assert [state.rows_held(req_idx) for req_idx in req_indices] == [3 * (8 + 3), 3 * (12 + 4), 3 * 20]
-    assert state.own_settings_running() == {(12, None), (40, None)}  # off keeps the largest request budget
+    assert state.requests.own_settings() == {(12, None), (40, None)}  # off keeps the largest request budget
     plan = forward_prefill(state, req_indices, [prompt] * 3)
     column = plan.column(state.layout.layer_places[1])
     assert column.compress and column.budgets.tolist() == [8, 12, 40]
@@ -257,7 +257,7 @@ def kept(state, req_idx):
     for place in state.layout.layer_places.values():
         lane = state.lanes[place.lane]
         entries = group.table.entries(req_idx)[:, place.column]
-        scores = state.score_slots(group, torch.full((n,), req_idx), torch.arange(n))[:, place.column]
+        scores = group.score_slots(torch.full((n,), req_idx), torch.arange(n))[:, place.column]
         held.append((lane.k[entries].clone(), lane.scores[scores].clone()))
     return held
 

@@ -11,7 +11,7 @@ from sglang_kvsparse.entry_table import HeapError, HeapExhausted
 from sglang_kvsparse.planning import plan_decode, plan_extend
 from sglang_kvsparse.policies import PrefillScoringInputs
 from sglang_kvsparse.request_sparsity import SERVER_SETTING, RequestSparsity
-from sglang_kvsparse.request_table import Phase
+from sglang_kvsparse.requests import Phase
 from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
 from sglang_kvsparse.stats import collect
 
@@ -35,7 +35,7 @@ def score_slots(state, req_idx, layer, n):
     """The score slots of the request's first n entries in `layer`'s column."""
     place = state.layout.layer_places[layer]
     group = state.groups[place.group]
-    return state.score_slots(group, torch.full((n,), req_idx), torch.arange(n))[:, place.column]
+    return group.score_slots(torch.full((n,), req_idx), torch.arange(n))[:, place.column]
 
 
 def dense_attention(q, k, v, scale, causal):
@@ -79,10 +79,12 @@ def test_refuses_jumps_and_exhaustion_without_partial_state():
     assert heap.free_rows() == 64 - (4 + 8) * 3 - 3 * 3
     with pytest.raises(HeapError, match="one decode token"):
         grow(state, [1], [6])
+    state.expect([3], [8])  # SGLang gives request 3 its index, then fails to allocate its tokens
     with pytest.raises(HeapExhausted):
         grow(state, [1, 2, 3], [5, 31, 8])  # (1 + 1 + 8) entries + 3 score rows x 3 columns, 19 free
     assert state.groups[0].table.length(1) == 4 and state.groups[0].table.length(2) == 8
-    assert not state.groups[0].table.is_active(3) and heap.free_rows() == 19 and state.requests.phase[3] == Phase.FREE
+    assert not state.groups[0].table.is_active(3) and heap.free_rows() == 19
+    assert state.requests.phase[[1, 2, 3]].tolist() == [Phase.PREFILLING, Phase.PREFILLING, Phase.ADMITTED]
 
 
 def test_a_step_evicts_every_layer_on_every_lane_as_each_layer_alone_would():
@@ -164,7 +166,7 @@ def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries
     grow(state, [1, 2], [25, 8])
     assert table.length(1) == budget + 1 and table.length(2) == 8  # request 2 is below its budget
     # The evicted pages stay out of the heap until the forward that reads them was issued.
-    assert heap.free_rows() == free_before - 2 * 3 and state.deferred_rows() == evict_page * 3
+    assert heap.free_rows() == free_before - 2 * 3 and state.heap.deferred_rows() == evict_page * 3
     plan = plan_decode(state, [1, 2])
     column = plan.column(place)
     (eviction,) = plan.evictions
@@ -299,10 +301,10 @@ def test_rows_come_from_free_rows_then_the_store_then_the_tree_never_from_pinned
     state.free(1)
     heap.cached.append(ids[6:])  # the tree caches the prompt; its first 6 tokens are locked by a match
     assert state.store.rows() == 36 and heap.free_rows() == 96 - 12 - 36
-    assert state.reclaimable_rows() == 36  # admission counts the store's rows as free
+    assert state.heap.reclaimable_rows() == 36  # admission counts the store's rows as free
 
     state.pin_prefix(ids[:6])  # the request that matched them is admitted: its prefill reads them
-    assert state.reclaimable_rows() == 18
+    assert state.heap.reclaimable_rows() == 18
     grow(state, [2, 3], [8, 8])  # 48 rows: the 48 free ones
     assert state.store.rows() == 36 and heap.cached
     grow(state, [4], [6])  # 18 more: the store's unpinned tail goes first
@@ -388,10 +390,10 @@ def test_rows_are_conserved_across_every_owner_under_random_lifecycles(ops):
             prefix = prefix[:reuse]
             state.pin_prefix(prefix)
             need = -(-(length - reuse) // page) * page
-            state.reclaim(need)
+            state.heap.reclaim(need)
             if heap.free_rows() < need:
                 heap.evict_cache(need)
-                state.reclaim(need)
+                state.heap.reclaim(need)
             if heap.free_rows() < need or state.store.valid_prefix_len(prefix) < reuse:
                 state.unpin_prefix(prefix)
                 continue  # admission would have refused it
@@ -409,7 +411,7 @@ def test_rows_are_conserved_across_every_owner_under_random_lifecycles(ops):
             held[req_idx] = [pages]
             prompts.append(torch.cat([prefix, new]))
         elif op == "decode" and table.is_active(req_idx):
-            state.reclaim(page * 4)
+            state.heap.reclaim(page * 4)
             if heap.free_rows() < page * 4:
                 continue  # SGLang would retract instead
             ids = heap.sglang_alloc(page)
@@ -428,7 +430,7 @@ def test_rows_are_conserved_across_every_owner_under_random_lifecycles(ops):
             heap.evict_cache(heap.rows)
             prompts = [p for p in prompts if state.store.valid_prefix_len(p) == p.numel()]
         sglang_rows = sum(t.numel() for ts in held.values() for t in ts) + sum(t.numel() for t in heap.cached)
-        owners = sglang_rows + state.sparse_rows(state.groups[0]) + state.store.rows() + state.deferred_rows()
+        owners = sglang_rows + state.groups[0].rows_held() + state.store.rows() + state.heap.deferred_rows()
         assert owners + heap.free_rows() == heap.rows
         assert_device_tables_mirror_the_host(state)
         store = state.store  # its cached count of reclaimable blocks is a fresh count

@@ -42,7 +42,13 @@ def walkthrough() -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
 
     def note(step: str) -> None:
-        counts = (heap.free_rows(), state.rows_held(1), state.rows_held(2), state.store.rows(), state.deferred_rows())
+        counts = (
+            heap.free_rows(),
+            state.rows_held(1),
+            state.rows_held(2),
+            state.store.rows(),
+            state.heap.deferred_rows(),
+        )
         rows.append((step, *map(str, counts)))
 
     note("start")
