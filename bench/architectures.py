@@ -52,7 +52,7 @@ SUPPORTED: dict[str, dict[str, Any]] = {
     "GemmaForCausalLM": {"model_type": "gemma", "hidden_act": "gelu_pytorch_tanh", "head_dim": 64},
 }
 
-#: Architectures the launcher must refuse (see `sglang_kvsparse/model_support.py`).
+#: Architectures the launcher must refuse (see `sglang_kvsparse/server/model_support.py`).
 REFUSED: dict[str, dict[str, Any]] = {
     "Gemma2ForCausalLM": {"model_type": "gemma2", "sliding_window": 4096, "attn_logit_softcapping": 50.0},
     "DeepseekV3ForCausalLM": {"model_type": "deepseek_v3", "kv_lora_rank": 512, "q_lora_rank": 1536},

@@ -8,7 +8,7 @@ system (stock SGLang, then each project variant) this starts the server once wit
 then reads the most requests that ran at once from the server's ``#running-req`` log lines, and
 the KV bytes per request from ``GET /kvsparse/stats`` where the server answers it. Beside each
 measured ratio it shows the equal-bytes bound: what the project's heap layout admits per stock
-request at that length (`sglang_kvsparse.layout.capacity_ratio`, scores included).
+request at that length (`sglang_kvsparse.state.layout.capacity_ratio`, scores included).
 Writes ``<out-dir>/capacity-<profile>-<date>.json``, ``.md`` and ``.png``; logs in ``...-logs/``.
 
 Usage: .venv/bin/python bench/capacity.py --profile NAME [--out-dir DIR]   (names: PROFILES)
@@ -43,8 +43,8 @@ from common.systems import (
 from serving_profiles import PROJECT_BUDGET_256, PROJECT_DEFAULT, PROJECT_GUIDED, PROJECT_OFF, Variant
 
 from kvsparse_testbed.server import ServerProcess, ServerStartError, peak_running_requests
-from sglang_kvsparse.layout import HeapLayout, capacity_ratio, scores_per_row
-from sglang_kvsparse.options import add_sparsity_arguments, sparsity_from_args
+from sglang_kvsparse.server.options import add_sparsity_arguments, sparsity_from_args
+from sglang_kvsparse.state.layout import HeapLayout, capacity_ratio, scores_per_row
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -46,8 +46,8 @@ from common.report import ReportPaths, provenance_line, write_json
 
 importable()
 
-from sglang_kvsparse.decode_graph import DecodeBuffers  # noqa: E402
-from sglang_kvsparse.sparse_state import SparseState  # noqa: E402
+from sglang_kvsparse.forward.decode_graph import DecodeBuffers  # noqa: E402
+from sglang_kvsparse.state.sparse_state import SparseState  # noqa: E402
 from tests.unit.heap import decode_lifecycle, eager_decode, make_state  # noqa: E402
 
 STEPS = 300

@@ -44,11 +44,11 @@ from transformers.modeling_utils import AttentionInterface
 from kvsparse_testbed import ruler
 from kvsparse_testbed.texts import essay_text
 from sglang_kvsparse.config import PRESETS
-from sglang_kvsparse.guide import PrefillGuide
+from sglang_kvsparse.forward.guide import PrefillGuide
 from sglang_kvsparse.kernels import select_kept
 from sglang_kvsparse.models import ensure_default_model
 from sglang_kvsparse.policies import SpanPolicy
-from sglang_kvsparse.sentences import sentence_end_tokens
+from sglang_kvsparse.policies.sentences import sentence_end_tokens
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 #: Each token's (first, past-last) character in the templated prompt.

@@ -45,17 +45,17 @@ from common.device_cost import DeviceCost, SimDevice, count_kernels, count_trito
 from common.report import ReportPaths, provenance, write_json  # noqa: E402
 
 from sglang_kvsparse import kernels  # noqa: E402
-from sglang_kvsparse.admission import rows_for_next_decode  # noqa: E402
 from sglang_kvsparse.config import PRESETS, SparsityConfig  # noqa: E402
-from sglang_kvsparse.decode_graph import DecodeBuffers  # noqa: E402
-from sglang_kvsparse.device_copy import upload  # noqa: E402
-from sglang_kvsparse.layout import HeapLayout, scores_per_row  # noqa: E402
+from sglang_kvsparse.forward.decode_graph import DecodeBuffers  # noqa: E402
+from sglang_kvsparse.forward.planning import plan_decode, plan_extend  # noqa: E402
+from sglang_kvsparse.forward.sparse_attention import evict_planned, sparse_decode  # noqa: E402
 from sglang_kvsparse.patches.allocator import attach, make_heap  # noqa: E402
-from sglang_kvsparse.planning import plan_decode, plan_extend  # noqa: E402
-from sglang_kvsparse.sentences import SentenceMarks  # noqa: E402
-from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode  # noqa: E402
-from sglang_kvsparse.sparse_group import LaneBuffers  # noqa: E402
-from sglang_kvsparse.sparse_state import SparseState  # noqa: E402
+from sglang_kvsparse.policies.sentences import SentenceMarks  # noqa: E402
+from sglang_kvsparse.state.admission import rows_for_next_decode  # noqa: E402
+from sglang_kvsparse.state.device_copy import upload  # noqa: E402
+from sglang_kvsparse.state.layout import HeapLayout, scores_per_row  # noqa: E402
+from sglang_kvsparse.state.sparse_group import LaneBuffers  # noqa: E402
+from sglang_kvsparse.state.sparse_state import SparseState  # noqa: E402
 
 SECTIONS = ("allocation", "planning", "eviction", "layers", "release")
 #: Before a captured decode step replays: the plan's tables copied into the graph's fixed

@@ -36,8 +36,13 @@ from typing import Any
 import torch
 from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResult
 
-from sglang_kvsparse.admission import AdmissionRound, prefill_charge, prefill_guide_rows, running_growth
-from sglang_kvsparse.request_sparsity import SERVER_GROUPING, RequestSparsity, one_setting_too_many, parse_request
+from sglang_kvsparse.config.request_sparsity import (
+    SERVER_GROUPING,
+    RequestSparsity,
+    one_setting_too_many,
+    parse_request,
+)
+from sglang_kvsparse.state.admission import AdmissionRound, prefill_charge, prefill_guide_rows, running_growth
 
 from . import context, faults
 

@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from sglang_kvsparse.admission import prefill_peak_rows, rows_for_next_decode
-from sglang_kvsparse.device_copy import upload
-from sglang_kvsparse.heap import HostFreeList
-from sglang_kvsparse.layout import round_up
-from sglang_kvsparse.sparse_state import SparseState
+from sglang_kvsparse.state.admission import prefill_peak_rows, rows_for_next_decode
+from sglang_kvsparse.state.device_copy import upload
+from sglang_kvsparse.state.heap import HostFreeList
+from sglang_kvsparse.state.layout import round_up
+from sglang_kvsparse.state.sparse_state import SparseState
 
 from . import context
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from sglang.srt.managers.schedule_policy import AddReqResult
 
-from sglang_kvsparse.admission import window_safe_cut
+from sglang_kvsparse.state.admission import window_safe_cut
 
 from . import context
 

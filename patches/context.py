@@ -15,8 +15,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from sglang_kvsparse.admission import AdmissionRound
-from sglang_kvsparse.sparse_state import SparseState
+from sglang_kvsparse.state.admission import AdmissionRound
+from sglang_kvsparse.state.sparse_state import SparseState
 
 _state: SparseState | None = None
 #: The round in progress, with the `PrefillAdder` it belongs to (weakly: SGLang drops it).

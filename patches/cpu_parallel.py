@@ -4,7 +4,7 @@
 the CPU included, so `--tp-size 2` with `SGLANG_USE_CPU_ENGINE=1` fails at start-up creating a
 NCCL communicator for a CPU device. With PyNccl off, `GroupCoordinator`'s collectives fall back
 to `torch.distributed` on the gloo group SGLang builds anyway. Applied by
-`sglang_kvsparse.cpu_shims` the moment the module is imported, in stock and sparse servers alike;
+`sglang_kvsparse.server.cpu_shims` the moment the module is imported, in stock and sparse servers alike;
 a caller that asks for PyNccl explicitly still gets it.
 """
 

@@ -26,17 +26,17 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.runtime_context import get_memory, get_model, get_schedule, get_server_args, get_serving
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
-from sglang_kvsparse.accounting import footprint_table, format_footprint_table, human_bytes, kv_bytes_per_token
-from sglang_kvsparse.backends import BACKEND_OPTIONS, WRAPPED_BACKENDS
 from sglang_kvsparse.config import SparsityConfig
-from sglang_kvsparse.layout import HeapLayout, heap_rows, scores_per_row
-from sglang_kvsparse.model_support import unsupported_features
-from sglang_kvsparse.option_support import REFUSED, refusals
-from sglang_kvsparse.parallelism import parallelism_problems
-from sglang_kvsparse.sentences import SentenceMarks, sentence_end_tokens
-from sglang_kvsparse.sparse_group import LaneBuffers
-from sglang_kvsparse.sparse_state import SparseState
-from sglang_kvsparse.stats import describe_tables
+from sglang_kvsparse.policies.sentences import SentenceMarks, sentence_end_tokens
+from sglang_kvsparse.server.accounting import footprint_table, format_footprint_table, human_bytes, kv_bytes_per_token
+from sglang_kvsparse.server.backends import BACKEND_OPTIONS, WRAPPED_BACKENDS
+from sglang_kvsparse.server.model_support import unsupported_features
+from sglang_kvsparse.server.option_support import REFUSED, refusals
+from sglang_kvsparse.server.parallelism import parallelism_problems
+from sglang_kvsparse.server.stats import describe_tables
+from sglang_kvsparse.state.layout import HeapLayout, heap_rows, scores_per_row
+from sglang_kvsparse.state.sparse_group import LaneBuffers
+from sglang_kvsparse.state.sparse_state import SparseState
 
 from . import allocator, attention, context
 from .hooks import unpatched
@@ -156,7 +156,7 @@ def make_attach_state(config: SparsityConfig):
 
 
 def sentence_marks(slots: int, device: torch.device) -> SentenceMarks | None:
-    """The marks of sentence-ending tokens (`sglang_kvsparse.sentences`), from the tokenizer the
+    """The marks of sentence-ending tokens (`sglang_kvsparse.policies.sentences`), from the tokenizer the
     scheduler loads too (`Scheduler.init_tokenizer`'s arguments); None, said in the log, when
     SGLang skips the tokenizer (policies then score without sentences)."""
     serving, model = get_serving(), get_model()

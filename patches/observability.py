@@ -1,7 +1,7 @@
 """`/kvsparse/stats` and the Prometheus gauges: the sparse layers' state (SGLang 0.5.23).
 
 The scheduler answers SGLang's internal-state query; an AFTER hook on it adds the sparse stats
-(`sglang_kvsparse.stats.collect`) under the key "kvsparse". With `--tp-size` above 1 every rank
+(`sglang_kvsparse.server.stats.collect`) under the key "kvsparse". With `--tp-size` above 1 every rank
 of a replica answers the query in the same place of its loop (SGLang broadcasts it to them), so
 the hook gathers the ranks' stats over the replica's CPU group and combines them
 (`stats.combine_tp_ranks`: counts that must agree, bytes that add up); only rank 0's reply
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_kvsparse.stats import SparseStats, collect, combine_replicas, combine_tp_ranks
+from sglang_kvsparse.server.stats import SparseStats, collect, combine_replicas, combine_tp_ranks
 
 from . import context
 

@@ -1,7 +1,7 @@
 """SGLang plugin entry point (group ``sglang.srt.plugins``), run by SGLang in every process.
 
 SGLang calls `load` early in each of its processes, the spawned schedulers included. The effective
-sparsity configuration arrives through the environment (`sglang_kvsparse.options.CONFIG_ENV`),
+sparsity configuration arrives through the environment (`sglang_kvsparse.server.options.CONFIG_ENV`),
 set by the project's launcher or engine factory. Without it this plugin registers nothing: an
 installed plugin with sparsity off leaves SGLang exactly as shipped.
 
@@ -17,7 +17,7 @@ import json
 import os
 
 from sglang_kvsparse.config import SparsityConfig, parse_config
-from sglang_kvsparse.options import CONFIG_ENV
+from sglang_kvsparse.server.options import CONFIG_ENV
 
 from . import hooks
 

@@ -3,7 +3,7 @@ can serve.
 
 SGLang's tree caches every token a request held, decoded ones included, but a sparse layer can
 reuse only prompt tokens whose prefill K/V the prefix store still keeps
-(`sglang_kvsparse.prefix_store`), and the prefill must keep the observation window's queries to
+(`sglang_kvsparse.state.prefix_store`), and the prefill must keep the observation window's queries to
 score as it would without the hit (`SparseState.reusable_prefix_len`). AROUND `match_kv_cache`
 (the one place SGLang adopts a match as a request's prefix, for every scheduling policy): when the
 tree matched more than that, match again with SGLang's own `max_prefix_len` limit, so the tree

@@ -13,7 +13,7 @@ from functools import cache
 from typing import Any
 
 from sglang_kvsparse.config import ResolvedSparsity, SparsityConfig
-from sglang_kvsparse.request_sparsity import check_request
+from sglang_kvsparse.config.request_sparsity import check_request
 
 
 def make_check_setting(config: SparsityConfig):

@@ -4,7 +4,7 @@
 #
 #   SGLang 0.5.23 is installed with --no-deps (its declared dependencies are a CUDA tree) together
 #   with the exact set it needs to import and serve, pinned in requirements/cpu.lock. A .pth file
-#   registers sglang_kvsparse.cpu_shims (a stand-in for the CUDA-only sgl_kernel, active only
+#   registers sglang_kvsparse.server.cpu_shims (a stand-in for the CUDA-only sgl_kernel, active only
 #   with SGLANG_USE_CPU_ENGINE=1 and no real sgl_kernel). The lent GPU's Triton (3.6) goes into
 #   .venv/triton-3.6, for the sm_90 compile check only. The embedded model is converted once.
 #   For a GPU install see the README ("Running on a GPU").
@@ -17,7 +17,7 @@ source scripts/venv_from_lock.sh
 venv_from_lock "$venv" "$root/requirements/cpu.lock" setup
 # Written every time (cheap), so an environment built before the shim existed gets it too.
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "import sglang_kvsparse.cpu_shims" > "$site/sglang_kvsparse_cpu.pth"
+echo "import sglang_kvsparse.server.cpu_shims" > "$site/sglang_kvsparse_cpu.pth"
 
 # The lent GPU's Triton beside the environment, for the sm_90 compile check (bench/compile_check.py).
 triton36="$venv/triton-3.6"

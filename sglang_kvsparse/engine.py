@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from sglang_kvsparse.models import ensure_default_model
-from sglang_kvsparse.options import (
+from sglang_kvsparse.server.options import (
     SPARSITY_OPTIONS,
     check_model,
     check_sglang_options,
@@ -22,7 +22,7 @@ from sglang_kvsparse.options import (
     sparse_sglang_defaults,
     sparsity_from_args,
 )
-from sglang_kvsparse.serving_defaults import (
+from sglang_kvsparse.server.serving_defaults import (
     check_model_path,
     cpu_defaults,
     enable_cpu_engine,

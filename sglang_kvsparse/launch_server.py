@@ -18,11 +18,11 @@ import argparse
 import os
 import sys
 
-from sglang_kvsparse.backends import BACKEND_OPTIONS
 from sglang_kvsparse.config import SparsityConfigError
 from sglang_kvsparse.models import ModelUnavailableError, ensure_default_model
-from sglang_kvsparse.option_support import REFUSED
-from sglang_kvsparse.options import (
+from sglang_kvsparse.server.backends import BACKEND_OPTIONS
+from sglang_kvsparse.server.option_support import REFUSED
+from sglang_kvsparse.server.options import (
     add_sparsity_arguments,
     check_model,
     check_parallelism,
@@ -31,8 +31,8 @@ from sglang_kvsparse.options import (
     sparse_sglang_defaults,
     sparsity_from_args,
 )
-from sglang_kvsparse.parallelism import THREADS_BIND_ENV, binding_for_this_process
-from sglang_kvsparse.serving_defaults import (
+from sglang_kvsparse.server.parallelism import THREADS_BIND_ENV, binding_for_this_process
+from sglang_kvsparse.server.serving_defaults import (
     LaunchError,
     as_cli_flags,
     check_model_path,

@@ -12,7 +12,7 @@ import requests
 from common.systems import ServerSettings
 from kvsparse_testbed.frozen_suite import FROZEN_SUITE
 from kvsparse_testbed.ruler import MAX_NEW_TOKENS, RulerPrompt
-from sglang_kvsparse.serving_defaults import CPU_MAX_TOTAL_TOKENS
+from sglang_kvsparse.server.serving_defaults import CPU_MAX_TOTAL_TOKENS
 
 #: The server these benchmarks ask, as the end-to-end tests' "uncached" server runs: the default
 #: model in float32 on the CPU pool, `--disable-radix-cache` (every prompt prefilled whole).

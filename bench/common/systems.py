@@ -19,9 +19,9 @@ import psutil
 
 from common.models import default_model, prepare_dummy_model
 from kvsparse_testbed.server import ServerProcess, free_port
-from sglang_kvsparse.options import CONFIG_ENV
-from sglang_kvsparse.parallelism import THREADS_BIND_ENV, binding_for_this_process
-from sglang_kvsparse.serving_defaults import gpu_available
+from sglang_kvsparse.server.options import CONFIG_ENV
+from sglang_kvsparse.server.parallelism import THREADS_BIND_ENV, binding_for_this_process
+from sglang_kvsparse.server.serving_defaults import gpu_available
 
 STOCK = "stock"
 LAUNCHERS = {

@@ -19,7 +19,7 @@ class ResolvedSparsity:
     sparse ones; `request_cap` is the largest budget one request may ask for (the config's
     `max_request_budget`, else the largest sparse budget; within the context; 0 with no sparse
     layer). `guide_layers`: the sparse layers whose scores choose every sparse layer's prefill
-    entries (empty: each layer by its own; `sglang_kvsparse/guide.py`). Built only by
+    entries (empty: each layer by its own; `sglang_kvsparse/forward/guide.py`). Built only by
     `SparsityConfig.resolve`."""
 
     config: SparsityConfig

@@ -106,7 +106,7 @@ class SparsityConfig:
       guide_from   None: each sparse layer keeps the prompt entries its own scores rank best.
                    A fraction of the model's depth in [0, 1): every sparse layer keeps those the
                    guide layers rank best together, the sparse layers from layer
-                   round(guide_from * num_layers) to the last (`sglang_kvsparse/guide.py`).
+                   round(guide_from * num_layers) to the last (`sglang_kvsparse/forward/guide.py`).
       guide_below  with guide_from, a share of the prompt in (0, 1]: a layer whose budget for a
                    request is at least this share of its prompt keeps that request's entries by
                    its own scores; None: the guide chooses at every budget. No effect without

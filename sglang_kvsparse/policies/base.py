@@ -32,7 +32,7 @@ class PrefillScoringInputs:
     The new tokens' K/V are already in ``k_buf``; ``lse`` holds each new query row's softmax
     log-sum-exp from `extend_attention_with_stats`, so attention probabilities can be recomputed
     for a few queries without a second full softmax. ``sentence_ends`` marks the keys whose
-    token ends a sentence (`sglang_kvsparse.sentences`); None where the server has no token ids
+    token ends a sentence (`sglang_kvsparse.policies.sentences`); None where the server has no token ids
     (no tokenizer), and policies then score without sentences.
     """
 

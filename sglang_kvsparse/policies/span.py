@@ -9,8 +9,8 @@ import torch
 
 from sglang_kvsparse.kernels import best_places, spread_scores
 from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
+from sglang_kvsparse.policies.sentences import raise_to_sentence_best, sentence_numbers
 from sglang_kvsparse.policies.snapkv import require_count, require_share
-from sglang_kvsparse.sentences import raise_to_sentence_best, sentence_numbers
 
 #: Upper bound of `long_follow` (as `snapkv.WIDEST_POOL`): a follow costs a few operations per
 #: doubling of its length.
@@ -33,7 +33,7 @@ class SpanPolicy(ScoringPolicy):
     question's attention lands on the first token of an answer (a UUID, a number) and the tokens
     after it come along. Decode adds each step's attention (H2O-style). Last, where the server knows
     the prompt's tokens, each key is raised to `sentence` times the best score of its sentence
-    (`sglang_kvsparse.sentences`; sentences longer than `SENTENCE_KEYS` keys are cut), so that a
+    (`sglang_kvsparse.policies.sentences`; sentences longer than `SENTENCE_KEYS` keys are cut), so that a
     fact is kept with the words that say what it is.
 
     Defaults: `long_follow` 40 covers a UUID (in SmolLM2's tokenizer, digit by digit) where a long

@@ -29,8 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from sglang_kvsparse.models import ensure_default_model
-from sglang_kvsparse.options import CPU_SPARSE_MEM_FRACTION
-from sglang_kvsparse.serving_defaults import CPU_MAX_TOTAL_TOKENS, gpu_available
+from sglang_kvsparse.server.options import CPU_SPARSE_MEM_FRACTION
+from sglang_kvsparse.server.serving_defaults import CPU_MAX_TOTAL_TOKENS, gpu_available
 
 from .servers import PYTHON, RETRACTING_ENV, Server, server_env
 

@@ -4,7 +4,7 @@ have stopped: three more servers of two processes each would not fit beside them
 
 The tensor-parallel servers serve a dummy-weight Llama (`TP_MODEL`: 4 layers, 2 KV heads, so
 each rank holds one; float32, deterministic) with SGLang's all-reduce over gloo on the CPU
-(`sglang_kvsparse.cpu_shims`). Project and stock run with the same `--tp-size 2`, each rank on
+(`sglang_kvsparse.server.cpu_shims`). Project and stock run with the same `--tp-size 2`, each rank on
 one core. The project keeps layer 0 full and 64 entries in the others (evicting above 80), in a
 KV pool small enough that concurrent requests force SGLang to retract (`RETRACTING_ENV`).
 
@@ -25,7 +25,7 @@ import pytest
 import requests
 
 from kvsparse_testbed.dummy_models import SHAPES, write_dummy_model
-from sglang_kvsparse.options import CPU_SPARSE_MEM_FRACTION
+from sglang_kvsparse.server.options import CPU_SPARSE_MEM_FRACTION
 
 from .servers import PYTHON, RETRACTING_ENV, Server, assert_at_rest, every_rank, server_env
 

@@ -19,7 +19,7 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from sglang_kvsparse.sentences import SENTENCE_END
+from sglang_kvsparse.policies.sentences import SENTENCE_END
 
 from .prompts import long_prompt
 from .servers import assert_every_slot_back
@@ -69,7 +69,7 @@ def test_concurrent_hits_read_pinned_prefixes_and_give_every_slot_back(evicting_
 
 def test_prefills_see_the_sentence_ends_of_cached_and_decoded_tokens(evicting_server, model_path):
     """`span` keeps whole sentences by the marks the server records for each KV slot from the
-    token written there (`sglang_kvsparse.sentences`). Every prefill that keeps entries counts the
+    token written there (`sglang_kvsparse.policies.sentences`). Every prefill that keeps entries counts the
     sentence ends among its keys, cached prefix included. In a three-turn conversation the third
     turn's cached prefix holds the first answer under the slots it was decoded into (the tree
     keeps those; `patches/prefix.py`), so its count is right only if decode steps marked them."""

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def admission(monkeypatch):
     from sglang_kvsparse.patches import admission, context
-    from sglang_kvsparse.requests import Requests
+    from sglang_kvsparse.state.requests import Requests
 
     state = SimpleNamespace(resolved=SimpleNamespace(context_len=8192), requests=Requests(4))
     monkeypatch.setattr(context, "_state", state)
@@ -32,8 +32,8 @@ class Adder(SimpleNamespace):
 
 def _adder() -> Adder:
     """A `PrefillAdder` in a round already started, with a 512-token chunk budget."""
-    from sglang_kvsparse.admission import AdmissionRound
     from sglang_kvsparse.patches import context
+    from sglang_kvsparse.state.admission import AdmissionRound
 
     adder = Adder(can_run_list=[], rem_chunk_tokens=512)
     context.start_round(adder, AdmissionRound())
@@ -110,9 +110,9 @@ def test_a_request_refused_while_guided_prefills_hold_rows_is_tried_next_round(m
     in the round the refusal stands."""
     from sglang.srt.managers.schedule_policy import AddReqResult
 
-    from sglang_kvsparse.admission import AdmissionRound
     from sglang_kvsparse.patches import admission, context
-    from sglang_kvsparse.requests import Requests
+    from sglang_kvsparse.state.admission import AdmissionRound
+    from sglang_kvsparse.state.requests import Requests
 
     state = SimpleNamespace(
         resolved=SimpleNamespace(context_len=8192, request_cap=8192),

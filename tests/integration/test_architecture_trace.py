@@ -53,4 +53,4 @@ def test_every_name_in_the_trace_resolves():
 
 def test_a_stale_name_would_fail():
     with pytest.raises((AttributeError, ModuleNotFoundError)):
-        resolve("sglang_kvsparse.sparse_state.SparseState.plan_decode")
+        resolve("sglang_kvsparse.state.sparse_state.SparseState.plan_decode")

@@ -10,7 +10,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 PROBE = """
-import sglang_kvsparse.cpu_shims
+import sglang_kvsparse.server.cpu_shims
 try:
     import sgl_kernel
 except ImportError:

@@ -103,7 +103,7 @@ def test_replays_dispatch_what_was_captured_and_match_eager_decoding_with_evicti
 
     # Capture, as the runner does: buffers once, then each batch size on fixed inputs.
     graph.init_cuda_graph_state(max(CAPTURED), max(CAPTURED))
-    buffers = graph._graph_buffers
+    buffers = graph.sparse.graph
     static = {bs: [torch.zeros(bs, h, D) for h in (H_KV * G, H_KV, H_KV)] for bs in CAPTURED}
     positions = {bs: torch.zeros(bs, dtype=torch.int64) for bs in CAPTURED}
     known = [lane.k for lane in graph_state.lanes] + [lane.v for lane in graph_state.lanes]
@@ -111,7 +111,7 @@ def test_replays_dispatch_what_was_captured_and_match_eager_decoding_with_evicti
     known += [t for bs in CAPTURED for t in (*static[bs], positions[bs])]
     captured = {}
     for bs in CAPTURED:
-        view = SimpleNamespace(batch_size=bs, num_padding=bs, forward_mode=ForwardMode.DECODE)
+        view = SimpleNamespace(batch_size=bs, num_padding=bs, forward_mode=ForwardMode.DECODE, out_cache_loc=None)
         graph.init_forward_metadata_out_graph(view, in_capture=True)
         with Recorder(known) as recorder:
             decode(graph, SimpleNamespace(positions=positions[bs]), *static[bs])
@@ -143,11 +143,16 @@ def test_replays_dispatch_what_was_captured_and_match_eager_decoding_with_evicti
         for state in (eager_state, graph_state):
             grow(state, rows, [lengths[row] + 1 for row in rows])
         batch = SimpleNamespace(
-            forward_mode=ForwardMode.DECODE, batch_size=raw, req_pool_indices_cpu=torch.tensor(rows), positions=where
+            forward_mode=ForwardMode.DECODE,
+            batch_size=raw,
+            req_pool_indices_cpu=torch.tensor(rows),
+            positions=where,
+            out_cache_loc=None,  # SGLang's slots and ids: what the sentence marks read (none here)
+            input_ids=None,
         )
 
         eager.init_forward_metadata(batch)
-        evicting += bool(eager._plan.evictions)
+        evicting += bool(eager.sparse.plan.evictions)
         want = decode(eager, batch, q, k, v)
         eager_state.finish_forward()
 
@@ -159,7 +164,9 @@ def test_replays_dispatch_what_was_captured_and_match_eager_decoding_with_evicti
             buffer[:raw].copy_(given)
 
         def replay(runner, forward_batch, bs=bs, raw=raw):
-            view = SimpleNamespace(batch_size=bs, num_padding=bs - raw, forward_mode=ForwardMode.DECODE)
+            view = SimpleNamespace(
+                batch_size=bs, num_padding=bs - raw, forward_mode=ForwardMode.DECODE, out_cache_loc=None, input_ids=None
+            )
             graph.init_forward_metadata_out_graph(view)
             with Recorder(known) as recorder:
                 out = decode(graph, SimpleNamespace(positions=positions[bs]), *static[bs])

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_kvsparse.option_support import REFUSED
+from sglang_kvsparse.server.option_support import REFUSED
 
 pytestmark = pytest.mark.integration
 

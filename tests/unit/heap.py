@@ -15,13 +15,13 @@ from collections.abc import Callable
 import torch
 
 from sglang_kvsparse.config import SparsityConfig
-from sglang_kvsparse.planning import plan_decode, plan_extend
-from sglang_kvsparse.plans import ForwardPlan
+from sglang_kvsparse.forward.planning import plan_decode, plan_extend
+from sglang_kvsparse.forward.plans import ForwardPlan
+from sglang_kvsparse.forward.sparse_attention import evict_planned, sparse_decode, sparse_extend
 from sglang_kvsparse.policies import ScoringPolicy, SnapKVPolicy
-from sglang_kvsparse.requests import Phase
-from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
-from sglang_kvsparse.sparse_group import LaneBuffers
-from sglang_kvsparse.sparse_state import SparseState
+from sglang_kvsparse.state.requests import Phase
+from sglang_kvsparse.state.sparse_group import LaneBuffers
+from sglang_kvsparse.state.sparse_state import SparseState
 
 H_KV, D = 2, 8
 

@@ -8,15 +8,15 @@ import dataclasses
 
 import pytest
 
-from sglang_kvsparse.accounting import (
+from sglang_kvsparse.config import PRESETS, PyramidBudget, SparsityConfig
+from sglang_kvsparse.server.accounting import (
     dense_kv_bytes,
     footprint_table,
     format_footprint_table,
     kv_bytes_per_token,
     row_bytes,
 )
-from sglang_kvsparse.config import PRESETS, PyramidBudget, SparsityConfig
-from sglang_kvsparse.layout import HeapLayout, capacity_ratio, heap_rows, scores_per_row
+from sglang_kvsparse.state.layout import HeapLayout, capacity_ratio, heap_rows, scores_per_row
 
 BPT = 1536  # 2 (K, V) * 3 heads * 64 dims * 4 bytes, per layer
 SPR = scores_per_row(head_dim=64, dtype_bytes=4)

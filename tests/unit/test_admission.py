@@ -1,4 +1,4 @@
-"""What admission charges for the sparse layers (`sglang_kvsparse.admission`), without SGLang.
+"""What admission charges for the sparse layers (`sglang_kvsparse.state.admission`), without SGLang.
 
 `admit` below is SGLang's admission rule over the heap, as `patches/admission.py` feeds it: a new
 request fits when its full-pool tokens plus its sparse rows are below the heap's free and
@@ -7,7 +7,7 @@ reclaimable rows, less what the running requests may still take.
 
 import torch
 
-from sglang_kvsparse.admission import AdmissionRound, rows_to_hold, running_growth
+from sglang_kvsparse.state.admission import AdmissionRound, rows_to_hold, running_growth
 
 from .heap import grow, make_state
 

@@ -5,12 +5,12 @@ store (held, never reclaimed) and every row comes back."""
 import pytest
 import torch
 
-from sglang_kvsparse.admission import prefill_charge, prefill_peak_rows, rows_to_hold, window_safe_cut
-from sglang_kvsparse.guide import PrefillGuide
-from sglang_kvsparse.planning import plan_decode, plan_extend
-from sglang_kvsparse.plans import MixedPlan
-from sglang_kvsparse.requests import Phase
-from sglang_kvsparse.sparse_attention import sparse_extend, sparse_mixed
+from sglang_kvsparse.forward.guide import PrefillGuide
+from sglang_kvsparse.forward.planning import plan_decode, plan_extend
+from sglang_kvsparse.forward.plans import MixedPlan
+from sglang_kvsparse.forward.sparse_attention import sparse_extend, sparse_mixed
+from sglang_kvsparse.state.admission import prefill_charge, prefill_peak_rows, rows_to_hold, window_safe_cut
+from sglang_kvsparse.state.requests import Phase
 
 from .heap import H_KV, D, grow, make_state
 
@@ -210,7 +210,7 @@ def test_a_mixed_step_prefills_and_decodes_as_the_two_steps_apart():
                 positions,
             )
         else:
-            from sglang_kvsparse.sparse_attention import sparse_decode
+            from sglang_kvsparse.forward.sparse_attention import sparse_decode
 
             o1 = sparse_extend(q2, k2, v2, 0.3, prefill, prefill.column(place), lane, state.policy)
             o2 = sparse_decode(

@@ -10,8 +10,8 @@ path's. The captured batch is wider than the running one, so padded rows are exe
 import pytest
 import torch
 
-from sglang_kvsparse.decode_graph import DecodeBuffers
-from sglang_kvsparse.planning import plan_decode, plan_extend
+from sglang_kvsparse.forward.decode_graph import DecodeBuffers
+from sglang_kvsparse.forward.planning import plan_decode, plan_extend
 
 from .heap import assert_device_tables_mirror_the_host, decode_lifecycle, eager_decode, grow, make_state
 

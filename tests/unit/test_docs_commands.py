@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from sglang_kvsparse.config import parse_config
-from sglang_kvsparse.options import add_sparsity_arguments, sparsity_from_args
-from sglang_kvsparse.request_sparsity import parse_request
+from sglang_kvsparse.config.request_sparsity import parse_request
+from sglang_kvsparse.server.options import add_sparsity_arguments, sparsity_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = ("README.md", "docs/config.md")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sglang_kvsparse.entry_table import EntryTable, HeapError
+from sglang_kvsparse.state.entry_table import EntryTable, HeapError
 
 
 def pages(*starts: int, page: int = 2) -> torch.Tensor:

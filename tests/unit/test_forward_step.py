@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from sglang_kvsparse.planning import build_decode, build_extend
-from sglang_kvsparse.requests import Phase
+from sglang_kvsparse.forward.planning import build_decode, build_extend
+from sglang_kvsparse.state.requests import Phase
 
 from .heap import grow, make_state
 

@@ -15,12 +15,12 @@ import json
 import pytest
 import torch
 
-from sglang_kvsparse.admission import prefill_charge, prefill_peak_rows, rows_to_hold, waits_for_guide
 from sglang_kvsparse.config import SparsityConfig, SparsityConfigError, parse_config
-from sglang_kvsparse.guide import PrefillGuide
-from sglang_kvsparse.planning import plan_extend
-from sglang_kvsparse.request_sparsity import RequestSparsity
-from sglang_kvsparse.sparse_attention import sparse_extend
+from sglang_kvsparse.config.request_sparsity import RequestSparsity
+from sglang_kvsparse.forward.guide import PrefillGuide
+from sglang_kvsparse.forward.planning import plan_extend
+from sglang_kvsparse.forward.sparse_attention import sparse_extend
+from sglang_kvsparse.state.admission import prefill_charge, prefill_peak_rows, rows_to_hold, waits_for_guide
 
 from .heap import H_KV, D, grow, make_state
 

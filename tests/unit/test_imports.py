@@ -84,6 +84,31 @@ def test_no_import_cycle_among_the_projects_modules():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
+#: Each subpackage of the product and the ones it may not import: a call goes down the layers
+#: (patches -> server, forward -> state -> config, policies), never back up.
+LAYERS = {
+    "sglang_kvsparse.state": ("sglang_kvsparse.forward", "sglang_kvsparse.server", "sglang_kvsparse.patches"),
+    "sglang_kvsparse.forward": ("sglang_kvsparse.server", "sglang_kvsparse.patches"),
+    "sglang_kvsparse.config": ("sglang_kvsparse.state", "sglang_kvsparse.forward", "sglang_kvsparse.server"),
+    "sglang_kvsparse.policies": ("sglang_kvsparse.state", "sglang_kvsparse.forward", "sglang_kvsparse.server"),
+    "sglang_kvsparse.kernels": ("sglang_kvsparse.state", "sglang_kvsparse.forward", "sglang_kvsparse.server"),
+}
+
+
+def test_no_layer_imports_a_layer_above_it():
+    modules = project_modules()
+    known = set(modules)
+    found = [
+        (name, target)
+        for name, path in modules.items()
+        for package, above in LAYERS.items()
+        if name.startswith(package + ".") or name == package
+        for target in imports_of(name, path, known)
+        if target.startswith(above)
+    ]
+    assert not found, found
+
+
 def test_the_cycle_finder_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

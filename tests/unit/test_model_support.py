@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from sglang_kvsparse import launch_server, options
-from sglang_kvsparse.model_support import check_supported, read_config, unsupported_features
-from sglang_kvsparse.serving_defaults import LaunchError
+from sglang_kvsparse import launch_server
+from sglang_kvsparse.server import options
+from sglang_kvsparse.server.model_support import check_supported, read_config, unsupported_features
+from sglang_kvsparse.server.serving_defaults import LaunchError
 
 SHAPE = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_kvsparse.option_support import REFUSED, SERVED, refusals
+from sglang_kvsparse.server.option_support import REFUSED, SERVED, refusals
 
 ROOT = Path(__file__).resolve().parents[2]
 

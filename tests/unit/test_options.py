@@ -5,15 +5,15 @@ import os
 
 import pytest
 
-from sglang_kvsparse.backends import BACKEND_OPTIONS, WRAPPED_BACKENDS
 from sglang_kvsparse.config import PRESETS, SparsityConfig
-from sglang_kvsparse.options import (
+from sglang_kvsparse.server.backends import BACKEND_OPTIONS, WRAPPED_BACKENDS
+from sglang_kvsparse.server.options import (
     CPU_SPARSE_MEM_FRACTION,
     GPU_SPARSE_OPTIONS,
     sparse_sglang_defaults,
     validate_for_model,
 )
-from sglang_kvsparse.serving_defaults import LaunchError, ModelShape
+from sglang_kvsparse.server.serving_defaults import LaunchError, ModelShape
 
 SHAPE = ModelShape(num_layers=30, context_len=8192, num_kv_heads=3, head_dim=64)
 LOSSLESS = SparsityConfig(full_layers=(0, 1), budget=8192)
@@ -57,7 +57,8 @@ def test_a_backend_that_cannot_run_beside_sparse_layers_is_replaced_in_one_line(
 @pytest.fixture
 def gpu_launch(tmp_path, monkeypatch):
     """The launcher as on a CUDA machine (no GPU is touched: it only decides SGLang's argv)."""
-    from sglang_kvsparse import launch_server, options
+    from sglang_kvsparse import launch_server
+    from sglang_kvsparse.server import options
 
     config = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
     config["max_position_embeddings"] = 4096
@@ -104,7 +105,8 @@ def test_the_gpu_launch_replaces_a_backend_that_cannot_serve_sparse_layers(gpu_l
 def cpu_launch(tmp_path, monkeypatch):
     """The launcher as on a machine with four cores and no GPU (it only decides SGLang's argv and
     the environment SGLang's processes inherit)."""
-    from sglang_kvsparse import launch_server, options, parallelism, serving_defaults
+    from sglang_kvsparse import launch_server
+    from sglang_kvsparse.server import options, parallelism, serving_defaults
 
     config = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
     (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))

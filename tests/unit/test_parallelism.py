@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from sglang_kvsparse.parallelism import cpu_thread_binding, parallelism_problems
-from sglang_kvsparse.stats import (
+from sglang_kvsparse.server.parallelism import cpu_thread_binding, parallelism_problems
+from sglang_kvsparse.server.stats import (
     REPLICA_COUNTS,
     GroupStats,
     HeapStats,

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from sglang_kvsparse.planning import plan_decode, plan_extend
+from sglang_kvsparse.forward.planning import plan_decode, plan_extend
+from sglang_kvsparse.forward.sparse_attention import evict_planned, sparse_decode, sparse_extend
 from sglang_kvsparse.policies import POLICIES, ScoringPolicy
 from sglang_kvsparse.policies.span import SENTENCE_KEYS
-from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
 
 from .heap import H_KV, D, grow, make_state
 

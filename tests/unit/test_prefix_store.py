@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_kvsparse.prefix_store import PrefixStore
+from sglang_kvsparse.state.prefix_store import PrefixStore
 
 from .heap import FreeList
 

@@ -8,20 +8,20 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from sglang_kvsparse.admission import request_rows_to_hold
 from sglang_kvsparse.config import SparsityConfig, SparsityConfigError, parse_config
-from sglang_kvsparse.decode_graph import DecodeBuffers
-from sglang_kvsparse.planning import plan_decode, plan_extend
-from sglang_kvsparse.policies import POLICIES, SnapKVPolicy, SpanPolicy
-from sglang_kvsparse.request_sparsity import (
+from sglang_kvsparse.config.request_sparsity import (
     SERVER_SETTING,
     RequestSparsity,
     check_request,
     one_setting_too_many,
     parse_request,
 )
-from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
-from sglang_kvsparse.stats import collect
+from sglang_kvsparse.forward.decode_graph import DecodeBuffers
+from sglang_kvsparse.forward.planning import plan_decode, plan_extend
+from sglang_kvsparse.forward.sparse_attention import evict_planned, sparse_decode, sparse_extend
+from sglang_kvsparse.policies import POLICIES, SnapKVPolicy, SpanPolicy
+from sglang_kvsparse.server.stats import collect
+from sglang_kvsparse.state.admission import request_rows_to_hold
 
 from .heap import H_KV, D, grow, make_state
 

@@ -5,9 +5,9 @@ it waits."""
 import pytest
 import torch
 
-from sglang_kvsparse.entry_table import HeapError
-from sglang_kvsparse.request_sparsity import RequestSparsity
-from sglang_kvsparse.requests import MOVES, Phase, PhaseError, Requests
+from sglang_kvsparse.config.request_sparsity import RequestSparsity
+from sglang_kvsparse.state.entry_table import HeapError
+from sglang_kvsparse.state.requests import MOVES, Phase, PhaseError, Requests
 
 from .heap import grow, make_state
 

@@ -1,4 +1,4 @@
-"""Sentence marks and the sentence raise (`sglang_kvsparse.sentences`) against loops written out
+"""Sentence marks and the sentence raise (`sglang_kvsparse.policies.sentences`) against loops written out
 by hand, on random ragged batches."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_kvsparse.sentences import (
+from sglang_kvsparse.policies.sentences import (
     SentenceMarks,
     raise_to_sentence_best,
     sentence_end_tokens,

@@ -7,13 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_kvsparse import kernels
-from sglang_kvsparse.entry_table import HeapError, HeapExhausted
-from sglang_kvsparse.planning import plan_decode, plan_extend
+from sglang_kvsparse.config.request_sparsity import SERVER_SETTING, RequestSparsity
+from sglang_kvsparse.forward.planning import plan_decode, plan_extend
+from sglang_kvsparse.forward.sparse_attention import evict_planned, sparse_decode, sparse_extend
 from sglang_kvsparse.policies import PrefillScoringInputs
-from sglang_kvsparse.request_sparsity import SERVER_SETTING, RequestSparsity
-from sglang_kvsparse.requests import Phase
-from sglang_kvsparse.sparse_attention import evict_planned, sparse_decode, sparse_extend
-from sglang_kvsparse.stats import collect
+from sglang_kvsparse.server.stats import collect
+from sglang_kvsparse.state.entry_table import HeapError, HeapExhausted
+from sglang_kvsparse.state.requests import Phase
 
 from .heap import H_KV, D, assert_device_tables_mirror_the_host, grow, make_state
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from sglang_kvsparse.config import SparsityConfig
+from sglang_kvsparse.forward.planning import plan_decode
 from sglang_kvsparse.patches.allocator import attach, make_heap
-from sglang_kvsparse.planning import plan_decode
 from sglang_kvsparse.policies import POLICIES
-from sglang_kvsparse.sparse_group import LaneBuffers
-from sglang_kvsparse.sparse_state import SparseState
+from sglang_kvsparse.state.sparse_group import LaneBuffers
+from sglang_kvsparse.state.sparse_state import SparseState
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))  # bench/ is a folder of scripts that import their siblings as `common.*`

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from sglang_kvsparse.admission import prefill_charge, waits_for_guide
 from sglang_kvsparse.config import PRESETS
-from sglang_kvsparse.planning import plan_decode, plan_extend
-from sglang_kvsparse.sparse_group import LaneBuffers
-from sglang_kvsparse.sparse_state import SparseState
+from sglang_kvsparse.forward.planning import plan_decode, plan_extend
+from sglang_kvsparse.state.admission import prefill_charge, waits_for_guide
+from sglang_kvsparse.state.sparse_group import LaneBuffers
+from sglang_kvsparse.state.sparse_state import SparseState
 
 from .heap import FreeList, grow
 
@@ -24,7 +24,7 @@ CONFIG = dataclasses.replace(PRESETS["default"], budget=256)
 LANES = max(len(CONFIG.full_layers), 1)
 #: The KV bytes of 8,192 dense tokens of a 30-layer model, as heap rows of the full layers' lanes.
 HEAP_ROWS = 8192 * 30 // LANES
-PROMPT, SHARED, NEW_TOKENS = 4000, 3950, 50
+PROMPT, SHARED, NEW_TOKENS, MAX_NEW_TOKENS = 4000, 3950, 50, 64
 
 
 def walkthrough() -> list[tuple[str, ...]]:
@@ -33,9 +33,9 @@ def walkthrough() -> list[tuple[str, ...]]:
     eviction's old entries)."""
     resolved = CONFIG.resolve(30, 8192)
     heap = FreeList(HEAP_ROWS)
-    # A toy KV head (1 head of 16 floats): the layout's rows do not depend on the head's size
-    # but for how many scores a row holds (16 per row here, 64 in SmolLM2's float32 rows).
-    shape = (HEAP_ROWS + 1, 1, 16)
+    # SmolLM2's KV heads as the CPU server keeps them: 3 of dim 64 in float32, so a score row
+    # holds 64 entries' scores (zeros are not touched: no memory until written).
+    shape = (HEAP_ROWS + 1, 3, 64)
     lanes = [LaneBuffers.over(torch.zeros(shape), torch.zeros(shape)) for _ in range(LANES)]
     state = SparseState(resolved, heap=heap, lanes=lanes, max_requests=4, heap_rows=HEAP_ROWS, prefix_cache=True)
     heap.on_free = state.released.freed
@@ -52,7 +52,7 @@ def walkthrough() -> list[tuple[str, ...]]:
         rows.append((step, *map(str, counts)))
 
     note("start")
-    final = PROMPT + 64
+    final = PROMPT + MAX_NEW_TOKENS
     charge = prefill_charge(state, 0, PROMPT, PROMPT, final)
     ids_a = heap.sglang_alloc(PROMPT)
     state.expect([1], [final], [PROMPT])
@@ -80,9 +80,11 @@ def walkthrough() -> list[tuple[str, ...]]:
     prefix = ids_a[:SHARED]
     reuse = state.reusable_prefix_len(prefix, SHARED + NEW_TOKENS)
     state.pin_prefix(prefix[:reuse])
-    charge = prefill_charge(state, reuse, SHARED + NEW_TOKENS, SHARED + NEW_TOKENS, SHARED + NEW_TOKENS + 64)
+    charge = prefill_charge(
+        state, reuse, SHARED + NEW_TOKENS, SHARED + NEW_TOKENS, SHARED + NEW_TOKENS + MAX_NEW_TOKENS
+    )
     new_ids = heap.sglang_alloc(SHARED + NEW_TOKENS - reuse)
-    state.expect([2], [SHARED + NEW_TOKENS + 64], [SHARED + NEW_TOKENS])
+    state.expect([2], [SHARED + NEW_TOKENS + MAX_NEW_TOKENS], [SHARED + NEW_TOKENS])
     grow(state, [2], [SHARED + NEW_TOKENS])
     note(f"B admitted: reuses {reuse} tokens (charge {charge}), its new ids and entries")
     plan_extend(state, [2], [reuse], [SHARED + NEW_TOKENS - reuse], [prefix[:reuse]], new_ids)

@@ -15,22 +15,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from sglang_kvsparse.device_copy import upload
-from sglang_kvsparse.entry_table import HeapError
-from sglang_kvsparse.plans import (
-    ColumnPlan,
-    DecodeTables,
-    EvictingRequests,
-    Eviction,
-    ExtendStep,
-    ForwardPlan,
-    PolicyGroup,
-    indptr,
-    ranges,
-)
+from sglang_kvsparse.forward.plans import ColumnPlan, DecodeTables, Eviction, ForwardPlan, PolicyGroup
 from sglang_kvsparse.policies import ScoringPolicy
-from sglang_kvsparse.sparse_group import SparseGroup
-from sglang_kvsparse.sparse_state import SparseState
+from sglang_kvsparse.state.device_copy import upload
+from sglang_kvsparse.state.entry_table import HeapError
+from sglang_kvsparse.state.sparse_group import SparseGroup
+from sglang_kvsparse.state.sparse_state import SparseState
+from sglang_kvsparse.state.steps import EvictingRequests, ExtendStep, indptr, ranges
 
 
 def plan_extend(

@@ -13,14 +13,14 @@ from collections.abc import Sequence
 import torch
 
 from sglang_kvsparse import kernels
-from sglang_kvsparse.guide import PrefillGuide
+from sglang_kvsparse.forward.guide import PrefillGuide
+from sglang_kvsparse.forward.planning import plan_decode
+from sglang_kvsparse.forward.plans import ColumnPlan, Eviction, ForwardPlan, MixedPlan, PolicyGroup
 from sglang_kvsparse.kernels.common import positions_in_segment, segment_ids
-from sglang_kvsparse.layout import GroupSpec, HeapLayout, LayerPlace
-from sglang_kvsparse.planning import plan_decode
-from sglang_kvsparse.plans import ColumnPlan, Eviction, ForwardPlan, MixedPlan, PolicyGroup
 from sglang_kvsparse.policies import PrefillScoringInputs, ScoringPolicy
-from sglang_kvsparse.sparse_group import LaneBuffers
-from sglang_kvsparse.sparse_state import SparseState
+from sglang_kvsparse.state.layout import GroupSpec, HeapLayout, LayerPlace
+from sglang_kvsparse.state.sparse_group import LaneBuffers
+from sglang_kvsparse.state.sparse_state import SparseState
 
 
 def sparse_extend(
@@ -44,7 +44,7 @@ def sparse_extend(
     the observation window's attention, pooled), `select_kept` keeps sink + window + the best up to
     each request's budget per KV head, and the kept K/V and scores are scattered into its rows.
     `policy` is the server's; a request with its own is scored by it (`plan.policy_groups`).
-    With a `guide` (`sglang_kvsparse/guide.py`), a guide layer adds its scores to it, and the
+    With a `guide` (`sglang_kvsparse/forward/guide.py`), a guide layer adds its scores to it, and the
     selection of the requests it guides (`column.guided`: budgets below `guide_below` of their
     prompt) waits for the guide and keeps by its scores, their new tokens' K/V waiting in heap
     rows of their own (`column.work_slots`, charged at admission, back after the forward); the

@@ -12,12 +12,12 @@ import argparse
 import json
 import os
 
-from sglang_kvsparse.backends import backend_choices
 from sglang_kvsparse.config import PRESETS, SparsityConfig, SparsityConfigError, parse_config
-from sglang_kvsparse.model_support import check_supported, model_shape, read_config
-from sglang_kvsparse.option_support import refusals
-from sglang_kvsparse.parallelism import parallelism_problems
-from sglang_kvsparse.serving_defaults import LaunchError, ModelShape
+from sglang_kvsparse.server.backends import backend_choices
+from sglang_kvsparse.server.model_support import check_supported, model_shape, read_config
+from sglang_kvsparse.server.option_support import refusals
+from sglang_kvsparse.server.parallelism import parallelism_problems
+from sglang_kvsparse.server.serving_defaults import LaunchError, ModelShape
 
 #: Environment variable carrying the effective sparsity configuration (JSON) to every process.
 CONFIG_ENV = "SGLANG_KVSPARSE_CONFIG"

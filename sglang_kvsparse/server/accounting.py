@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sglang_kvsparse.layout import HeapLayout, round_up
+from sglang_kvsparse.state.layout import HeapLayout, round_up
 
 #: Sequence lengths shown in the start-up footprint table (those above the context length drop).
 FOOTPRINT_LENGTHS: tuple[int, ...] = (512, 1024, 4096, 16384, 32768, 131072)

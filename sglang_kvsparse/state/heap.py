@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import torch
 
-from sglang_kvsparse.contracts import HeapRows
-from sglang_kvsparse.entry_table import HeapExhausted
-from sglang_kvsparse.prefix_store import PrefixStore
-from sglang_kvsparse.released_ids import ReleasedIds
+from sglang_kvsparse.state.contracts import HeapRows
+from sglang_kvsparse.state.entry_table import HeapExhausted
+from sglang_kvsparse.state.prefix_store import PrefixStore
+from sglang_kvsparse.state.released_ids import ReleasedIds
 
 
 class HostFreeList:

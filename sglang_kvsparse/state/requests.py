@@ -16,8 +16,8 @@ from enum import IntEnum
 
 import torch
 
+from sglang_kvsparse.config.request_sparsity import SERVER_GROUPING, RequestSparsity
 from sglang_kvsparse.policies import ScoringPolicy
-from sglang_kvsparse.request_sparsity import SERVER_GROUPING, RequestSparsity
 
 
 class Phase(IntEnum):

@@ -52,7 +52,7 @@ class _StandInModule(types.ModuleType):
 
         def unavailable(*args, **kwargs):
             raise NotImplementedError(
-                f"{qualified} is a CPU stand-in installed by sglang_kvsparse.cpu_shims: the "
+                f"{qualified} is a CPU stand-in installed by sglang_kvsparse.server.cpu_shims: the "
                 f"real sgl_kernel is not available on this machine"
             )
 

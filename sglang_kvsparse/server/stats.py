@@ -19,8 +19,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_kvsparse.accounting import dense_kv_bytes, kv_bytes_per_token, row_bytes
-from sglang_kvsparse.sparse_state import SparseState
+from sglang_kvsparse.server.accounting import dense_kv_bytes, kv_bytes_per_token, row_bytes
+from sglang_kvsparse.state.sparse_state import SparseState
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class SparseStats:
 def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
     """Stats of `state`, with the heap's free rows as SGLang's allocator counts them."""
     layout, page = state.layout, state.page_size
-    running = state.running_requests()
+    running = state.requests.running_requests()
     full_running = int(((state.requests.length[running] + page - 1) // page).sum()) * page
     group_stats = [
         GroupStats(g.spec.budget, g.spec.max_entries, g.columns, list(g.spec.layers), g.rows_held(), g.score_rows())

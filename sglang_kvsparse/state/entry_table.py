@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_kvsparse.layout import round_up
+from sglang_kvsparse.state.layout import round_up
 
 
 class HeapError(RuntimeError):

@@ -23,24 +23,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_kvsparse.admission import decode_reserve
 from sglang_kvsparse.config import ResolvedSparsity
-from sglang_kvsparse.contracts import HeapRows
-from sglang_kvsparse.counters import Counters
-from sglang_kvsparse.entry_table import EntryTable, HeapError
-from sglang_kvsparse.heap import Heap
-from sglang_kvsparse.layout import HeapLayout, round_up, scores_per_row
-from sglang_kvsparse.plans import EvictingRequests, ExtendStep, indptr, ranges
+from sglang_kvsparse.state.admission import decode_reserve
+from sglang_kvsparse.state.contracts import HeapRows
+from sglang_kvsparse.state.counters import Counters
+from sglang_kvsparse.state.entry_table import EntryTable, HeapError
+from sglang_kvsparse.state.heap import Heap
+from sglang_kvsparse.state.layout import HeapLayout, round_up, scores_per_row
+from sglang_kvsparse.state.steps import EvictingRequests, ExtendStep, indptr, ranges
+
+if TYPE_CHECKING:
+    from sglang_kvsparse.policies.sentences import SentenceMarks
+from sglang_kvsparse.config.request_sparsity import SERVER_SETTING, RequestSparsity
 from sglang_kvsparse.policies import ScoringPolicy
-from sglang_kvsparse.prefix_store import PrefixStore
-from sglang_kvsparse.released_ids import ReleasedIds
-from sglang_kvsparse.request_sparsity import SERVER_SETTING, RequestSparsity
-from sglang_kvsparse.requests import Phase, Requests
-from sglang_kvsparse.sentences import SentenceMarks
-from sglang_kvsparse.sparse_group import LaneBuffers, SparseGroup
+from sglang_kvsparse.state.prefix_store import PrefixStore
+from sglang_kvsparse.state.released_ids import ReleasedIds
+from sglang_kvsparse.state.requests import Phase, Requests
+from sglang_kvsparse.state.sparse_group import LaneBuffers, SparseGroup
 
 
 class SparseState:
@@ -309,10 +312,6 @@ class SparseState:
 
     def requests_running(self) -> int:
         return int(self.requests.running().sum())
-
-    def running_requests(self) -> torch.Tensor:
-        """The indices of the running requests."""
-        return self.requests.running_requests()
 
     def budgets(self, group: SparseGroup, req_indices: torch.Tensor) -> torch.Tensor:
         """Each of these requests' budget in the group: its own, or the group's."""

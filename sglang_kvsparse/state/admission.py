@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from sglang_kvsparse.sparse_state import SparseState
+    from sglang_kvsparse.state.sparse_state import SparseState
 
 #: Tokens a prompt admitted this round must add to a waiting request's cache hit for it to wait.
 SHARED_PREFIX_WAIT_TOKENS = 256
@@ -109,7 +109,7 @@ def decode_reserve(state: SparseState) -> int:
     """Heap rows the running requests may take in their coming decode steps before their own
     evictions give rows back: per group and request, the pages from what it holds up to the
     most it will hold (its `max_entries`, or its final length when shorter), and one more."""
-    running = state.running_requests()
+    running = state.requests.running_requests()
     page = state.page_size
     total = 0
     for group in state.groups:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from sglang_kvsparse.plans import DecodeTables, ForwardPlan
-from sglang_kvsparse.sparse_state import SparseState
+from sglang_kvsparse.forward.plans import DecodeTables, ForwardPlan
+from sglang_kvsparse.state.sparse_state import SparseState
 
 
 class DecodeBuffers:

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_kvsparse.contracts import HeapRows
-from sglang_kvsparse.device_copy import HostCopy
-from sglang_kvsparse.prefix_store import PrefixStore
+from sglang_kvsparse.state.contracts import HeapRows
+from sglang_kvsparse.state.device_copy import HostCopy
+from sglang_kvsparse.state.prefix_store import PrefixStore
 
 if TYPE_CHECKING:
-    from sglang_kvsparse.counters import Counters
+    from sglang_kvsparse.state.counters import Counters
 
 
 class ReleasedIds:

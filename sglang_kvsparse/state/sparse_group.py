@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang_kvsparse.entry_table import EntryTable, HeapError
-from sglang_kvsparse.layout import GroupSpec
+from sglang_kvsparse.state.entry_table import EntryTable, HeapError
+from sglang_kvsparse.state.layout import GroupSpec
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sglang_kvsparse.serving_defaults import LaunchError, ModelShape
+from sglang_kvsparse.server.serving_defaults import LaunchError, ModelShape
 
 #: `layer_types` entries of plain full attention (any other kind is a different layer).
 FULL_ATTENTION_LAYER = "full_attention"
