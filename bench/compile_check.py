@@ -58,7 +58,7 @@ REGISTERS_PER_SM = 65_536
 class Case:
     """One launch of a kernel family at a served shape."""
 
-    family: str  # extend | window_scores | decode | store | evict
+    family: str  # extend | window_scores | decode | write | evict
     head_dim: int
     dtype: str
     group: int = 1
@@ -97,7 +97,7 @@ def cases() -> list[Case]:
             out.append(Case("extend", d, dtype, 4, "no-stats"))
             out.append(Case("decode", d, dtype, 4, "replace"))
             out.append(Case("decode", d, dtype, 4, "none"))
-            out.append(Case("store", d, dtype))
+            out.append(Case("write", d, dtype))
             out.extend(Case("evict", d, dtype, 1, str(n)) for n in EVICT_ROWS)
     return out
 
@@ -195,9 +195,9 @@ def _launch(case: Case) -> None:
             score_indices=table,
             score_update=case.variant,
         )
-    elif case.family == "store":
+    elif case.family == "write":
         n = 3
-        kernels.store_entries_triton(
+        kernels.write_entries_triton(
             k_buf,
             v_buf,
             scores,

@@ -158,6 +158,8 @@ class Harness:
         self.allocator = allocator(self.rows, device)  # SGLang's token allocator, or its model
         heap = make_heap(self.allocator)
         lane_buffers = [LaneBuffers.over(self._kv(self.rows + 1), self._kv(self.rows + 1)) for _ in range(layout.lanes)]
+        ends = torch.zeros(shape["vocab_size"], dtype=torch.bool)
+        ends[::97] = True
         self.state = SparseState(
             resolved,
             heap=heap,
@@ -165,12 +167,10 @@ class Harness:
             max_requests=self.max_requests,
             heap_rows=self.rows,
             prefix_cache=True,
+            sentence_marks=SentenceMarks(ends, self.rows + 1, device),
         )
         attach(self.allocator, self.state)
         self.graph_buffers = DecodeBuffers(self.state, batch, device)
-        ends = torch.zeros(shape["vocab_size"], dtype=torch.bool)
-        ends[::97] = True
-        self.state.sentence_marks = SentenceMarks(ends, self.rows + 1, device)
         self.gen = torch.Generator().manual_seed(seed)
         self.running: dict[int, Request] = {}
         self.free_rows = list(range(self.max_requests - 1, 0, -1))
@@ -308,7 +308,7 @@ def measure(
     simulated = device.type != "cuda"
     cost = DeviceCost(simulated=simulated)
     restores = [
-        count_kernels(cost, [kernels], ("decode_attention_with_scores", "evict_rows", "store_entries")),
+        count_kernels(cost, [kernels], ("decode_attention_with_scores", "evict_rows", "write_entries")),
         count_triton_launches(cost),
     ]
     run = Run(batch)

@@ -20,14 +20,14 @@ from .extend_attention import (
     extend_attention_with_stats_torch,
     extend_attention_with_stats_triton,
 )
-from .selection import best_places, pool_scores, select_kept, select_rows, spread_scores
-from .store import store_entries, store_entries_torch, store_entries_triton
+from .selection import peaks, pool_scores, select_kept, select_rows, spread_scores
 from .window_scores import (
     WindowScoreConfig,
     window_scores,
     window_scores_torch,
     window_scores_triton,
 )
+from .write import write_entries, write_entries_torch, write_entries_triton
 
 __all__ = [
     "SCORE_UPDATES",
@@ -35,7 +35,7 @@ __all__ = [
     "ExtendConfig",
     "ScoreUpdate",
     "WindowScoreConfig",
-    "best_places",
+    "peaks",
     "decode_attention_with_scores",
     "decode_attention_with_scores_torch",
     "decode_attention_with_scores_triton",
@@ -49,9 +49,9 @@ __all__ = [
     "select_kept",
     "select_rows",
     "spread_scores",
-    "store_entries",
-    "store_entries_torch",
-    "store_entries_triton",
+    "write_entries",
+    "write_entries_torch",
+    "write_entries_triton",
     "window_scores",
     "window_scores_torch",
     "window_scores_triton",

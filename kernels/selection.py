@@ -47,17 +47,16 @@ def spread_scores(scores: torch.Tensor, kv_indptr: torch.Tensor, follow: int) ->
     return _window_max(scores, kv_indptr, follow, 0)
 
 
-def best_places(
+def peaks(
     scores: torch.Tensor, kv_indptr: torch.Tensor, count: int, radius: int, skip_first: int, skip_last: int
 ) -> torch.Tensor:
-    """[total_kv, H] bool: per request and head, the ``count`` best places (ties included).
+    """[total_kv, H] bool: per request and head, the ``count`` best peaks (ties included).
 
-    A place is a key whose score is the largest within ``radius`` keys either side of it in its
+    A peak is a key whose score is the largest within ``radius`` keys either side of it in its
     request, and that lies at least ``skip_first`` keys after the request's start and
-    ``skip_last`` keys before its end. `span` gives its best places a longer follow: the one
-    place a question's attention lands on hardest usually precedes the answer, and a long answer
-    (a UUID, 29-37 tokens in SmolLM2's tokenizer) needs more than the follow every other place
-    gets.
+    ``skip_last`` keys before its end. `span` gives its best peak a longer follow: the one key a
+    question's attention lands on hardest usually precedes the answer, and a long answer (a UUID,
+    29-37 tokens in SmolLM2's tokenizer) needs more than the follow every other key gets.
     """
     if count < 0 or radius < 0 or skip_first < 0 or skip_last < 0:
         raise ValueError(

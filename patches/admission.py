@@ -94,11 +94,8 @@ def charging(round_: AdmissionRound, req: Any) -> Iterator[None]:
     def charge(end: int) -> int:
         return prefill_charge(state, req.prefix_len, end, fill, final, budget)
 
-    round_.charge = charge
-    try:
+    with round_.charging(charge):
         yield
-    finally:
-        round_.charge = None
 
 
 def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -110,7 +107,7 @@ def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any
     token_ids, prefix = (), None
     if req.to_finish is None:  # one SGLang aborts prefills a single token: nothing to check or pin
         if _one_setting_too_many(adder, req):
-            state.counters.setting_waits += 1
+            state.counters.add(setting_waits=1)
             return AddReqResult.CONTINUE  # stays in the queue; SGLang goes on to the next request
         with faults.request_guard(req, "admission"):
             token_ids = req.origin_input_ids + req.output_ids if state.store is not None else ()
@@ -137,7 +134,7 @@ def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any
     if prefix is not None:
         state.unpin_prefix(prefix)
     if result == AddReqResult.NO_TOKEN and round_.short_for_now():
-        state.counters.guide_waits += 1
+        state.counters.add(guide_waits=1)
         return AddReqResult.OTHER  # first in line next round, when the guided prefills' rows are back
     return result
 

@@ -124,12 +124,17 @@ class KVSparseBackend(AttentionBackend):
         """Whether a decode step of this batch can replay a captured graph (`SparseForward.can_replay`)."""
         return self.sparse.can_replay(self._req_indices(forward_batch))
 
+    def expect_replay(self, forward_batch: Any) -> None:
+        """The decode step about to replay this batch: its real request indices, for the replay's
+        planning (`init_forward_metadata_out_graph`, which SGLang calls with a padded view)."""
+        self.replay_requests = self._req_indices(forward_batch)
+
     def _req_indices(self, forward_batch: Any) -> list[int]:
         """The batch's request indices, from SGLang's host copy. Without one (a path that gives a
         forward none) they are read from the device: counted, as it makes the host wait."""
         req_indices = forward_batch.req_pool_indices_cpu
         if req_indices is None:
-            self.state.counters.host_syncs += 1
+            self.state.counters.add(host_syncs=1)
             req_indices = forward_batch.req_pool_indices
         return req_indices.tolist()
 
@@ -163,7 +168,7 @@ def graph_execute(original: Callable[..., Any], runner: Any, forward_batch: Any,
     which SGLang calls with a padded view of the batch) learns the real batch's request indices."""
     backend = runner.attn_backend
     if isinstance(backend, KVSparseBackend):
-        backend.replay_requests = backend._req_indices(forward_batch)
+        backend.expect_replay(forward_batch)
     return original(runner, forward_batch, *args, **kwargs)
 
 

@@ -144,8 +144,8 @@ def make_attach_state(config: SparsityConfig):
             max_requests=runner.req_to_token_pool._alloc_size,
             heap_rows=rows,
             prefix_cache=needs_prefix_store(get_memory(), get_schedule()),
+            sentence_marks=sentence_marks(rows + runner.page_size, lanes[0].k.device),
         )
-        state.sentence_marks = sentence_marks(rows + runner.page_size, lanes[0].k.device)
         allocator.attach(token_allocator, state)
         runner.req_to_token_pool.attach_aux_cache(state)
         context.install(state)

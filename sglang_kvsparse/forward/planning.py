@@ -55,9 +55,9 @@ def build_extend(state: SparseState, step: ExtendStep, device: torch.device | st
     for group in state.groups:
         budgets = state.budgets(group, index)
         kept = torch.where(partial, 0, torch.minimum(seq_lens, budgets))
-        if not torch.equal(group.table.lengths[index], kept):
+        if not torch.equal(group.table.counts[index], kept):
             raise HeapError(
-                f"the tables hold {group.table.lengths[index].tolist()} entries for a prefill keeping {kept.tolist()}"
+                f"the tables hold {group.table.counts[index].tolist()} entries for a prefill keeping {kept.tolist()}"
             )
         indices, scores = _indices(state, group, index)
         compress = bool((seq_lens > budgets)[~partial].any())
@@ -130,7 +130,7 @@ def build_extend(state: SparseState, step: ExtendStep, device: torch.device | st
 
 class _Staging:
     """Host tensors bound for the device in one non-blocking copy (`device_copy.upload`): `add`
-    gives each a place (None stays None), `send` returns the lookup of places to device tensors."""
+    gives each a ticket (None stays None), `send` returns the lookup of tickets to device tensors."""
 
     def __init__(self) -> None:
         self.host: list[torch.Tensor] = []
@@ -150,12 +150,12 @@ class _Staging:
         return self.add(entries), self.add(values), self.add(score_entries), self.add(score_values)
 
     def policies(self, state: SparseState, index: torch.Tensor) -> list[tuple[ScoringPolicy, int, int]]:
-        """Every policy of the batch with its requests' places and mask (`_policy_members`), staged."""
-        return [(policy, self.add(places), self.add(mask)) for policy, places, mask in _policy_members(state, index)]
+        """Every policy of the batch with its requests' batch indices and mask (`_policy_members`), staged."""
+        return [(policy, self.add(members), self.add(mask)) for policy, members, mask in _policy_members(state, index)]
 
     def send(self, device: torch.device | str) -> Callable[[int | None], torch.Tensor | None]:
         on_device = upload(self.host, device)
-        return lambda place: None if place is None else on_device[place]
+        return lambda ticket: None if ticket is None else on_device[ticket]
 
 
 def build_decode(
@@ -176,12 +176,12 @@ def build_decode(
     at_requests, at_batch = staging.add(index), staging.add(torch.arange(len(index)))
     tables = []
     for group in state.groups:
-        lengths = group.table.lengths[index]
+        lengths = group.table.counts[index]
         width = int(lengths.max()) if lengths.numel() else 0
         positions = torch.arange(width)
         last = (lengths - 1).clamp(min=0)
-        places = [staging.add(t) for t in (lengths, last, positions // per_row, positions % per_row)]
-        tables.append((width, places))
+        tickets = [staging.add(t) for t in (lengths, last, positions // per_row, positions % per_row)]
+        tables.append((width, tickets))
     kinds = []
     for e in evicting:
         slots, score_slots = _old_entries(state, state.groups[e.group], e.req_indices, e.olds)
@@ -192,8 +192,8 @@ def build_decode(
     for group, write in zip(state.groups, writes):
         _apply_writes(group, write, get)
     decode_tables = tuple(
-        _decode_tables(group, get(at_requests), get(at_batch), width, [get(p) for p in places], per_row)
-        for group, (width, places) in zip(state.groups, tables)
+        _decode_tables(group, get(at_requests), get(at_batch), width, [get(t) for t in tickets], per_row)
+        for group, (width, tickets) in zip(state.groups, tables)
     )
     columns = tuple(tuple(t.column(c) for c in range(group.columns)) for group, t in zip(state.groups, decode_tables))
     return ForwardPlan(
@@ -208,17 +208,17 @@ def build_decode(
 
 
 def _policy_members(state: SparseState, index: torch.Tensor) -> list[tuple[ScoringPolicy, torch.Tensor, torch.Tensor]]:
-    """Every policy of the batch of requests `index` with its requests' places in the batch and
+    """Every policy of the batch of requests `index` with its requests' indices in the batch and
     the same as a mask (host), when some request has a policy of its own (none otherwise)."""
     policies = [state.requests.policy[req_idx] for req_idx in index.tolist()]
     if all(policy is None for policy in policies):
         return []
     members: dict[ScoringPolicy, list[int]] = {}
-    for place, policy in enumerate(policies):
-        members.setdefault(policy or state.policy, []).append(place)
+    for member, policy in enumerate(policies):
+        members.setdefault(policy or state.policy, []).append(member)
     out = []
-    for policy, places in members.items():
-        at = torch.tensor(places, dtype=torch.int64)
+    for policy, indices in members.items():
+        at = torch.tensor(indices, dtype=torch.int64)
         mask = torch.zeros(len(policies), dtype=torch.bool)
         mask[at] = True
         out.append((policy, at, mask))
@@ -243,7 +243,7 @@ def _apply_writes(
     """Bring the group's device tables up to date from the uploaded changes."""
     if write is None:
         return
-    entries, values, score_entries, score_values = (get(place) for place in write)
+    entries, values, score_entries, score_values = (get(ticket) for ticket in write)
     if entries.numel():
         group.device_table.view(-1)[entries] = values.to(torch.int32)
     if score_entries.numel():
@@ -253,7 +253,7 @@ def _apply_writes(
 def _indices(state: SparseState, group: SparseGroup, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [columns, total], score slots [columns, total]) of the requests' entries,
     request-major (host)."""
-    lengths = group.table.lengths[index]
+    lengths = group.table.counts[index]
     width = int(lengths.max()) if lengths.numel() else 0
     mask = torch.arange(width)[None, :] < lengths[:, None]
     entries = group.table.table[index, :width][mask]  # [total, columns]
@@ -272,7 +272,7 @@ def _decode_tables(
 ) -> DecodeTables:
     """The group's decode tables for the batch's requests (`req_indices`, device), gathered from
     its device tables (`SparseGroup.device_table`); W, the most entries of one, is known on the
-    host, and so are the lengths, the newest entries' places and the score-slot arithmetic
+    host, and so are the lengths, the newest entries' positions and the score-slot arithmetic
     (`uploaded`). Past a request's length: whatever the mirror holds there, slots that were valid
     (the padding row when never written)."""
     lengths, last, page_of, in_page = uploaded

@@ -64,7 +64,7 @@ def sparse_extend(
         q, k_all, v_all, plan.qo_indptr, kv_indptr, positions, sm_scale, with_stats=scoring
     )
     if column.store_slots is not None and column.store_slots.numel():
-        _store(buffers, column.store_slots, k[plan.store_positions], v[plan.store_positions])
+        _write(buffers, column.store_slots, k[plan.store_positions], v[plan.store_positions])
     requests = segment_ids(kv_indptr, k_all.shape[0])  # each key's request in the batch
     scores = None
     if scoring:
@@ -86,7 +86,7 @@ def sparse_extend(
     if guiding:
         guide.add(layer_id, scores)
     if not column.compress:
-        _store_all(k_all, v_all, kv_indptr, requests, plan, column, buffers, policy)
+        _keep_all(k_all, v_all, kv_indptr, requests, plan, column, buffers, policy)
     elif guided is None or not bool(guided.any()):
         _keep(k_all, v_all, kv_indptr, scores, plan, column, buffers)
     else:
@@ -94,7 +94,7 @@ def sparse_extend(
         if bool(own.any()):  # the requests that keep by this layer's own scores keep now
             _keep(k_all, v_all, kv_indptr, scores, plan, column, buffers, only=own)
         # The guided requests' new tokens wait in heap rows of their own (`ColumnPlan.work_slots`).
-        _store(buffers, column.work_slots, k[plan.work_positions], v[plan.work_positions])
+        _write(buffers, column.work_slots, k[plan.work_positions], v[plan.work_positions])
 
         def keep_by_guide(guide_scores: torch.Tensor) -> None:
             k_new, v_new = torch.zeros_like(k), torch.zeros_like(v)
@@ -108,7 +108,7 @@ def sparse_extend(
     return o
 
 
-def _store_all(
+def _keep_all(
     k_all: torch.Tensor,
     v_all: torch.Tensor,
     kv_indptr: torch.Tensor,
@@ -124,7 +124,7 @@ def _store_all(
     if plan.kept_positions is not None:
         k_all, v_all = k_all[plan.kept_positions], v_all[plan.kept_positions]
         in_sequence, requests = in_sequence[plan.kept_positions], requests[plan.kept_positions]
-    _store(buffers, column.new_slots, k_all, v_all)
+    _write(buffers, column.new_slots, k_all, v_all)
     for group in policy_groups(plan, policy):
         keys = slice(None) if group.mask is None else group.mask[requests]
         first = group.policy.new_key_scores(k_all[keys], in_sequence[keys])
@@ -148,10 +148,10 @@ def _keep(
     if plan.keeps is not None:
         kept_lens = kept_lens * plan.keeps
     slots, score_slots = column.new_slots, column.new_score_slots
-    if only is not None:  # their places among the rows, which hold every keeping request's, request-major
+    if only is not None:  # their indices among the rows, which hold every keeping request's, request-major
         lens = kept_lens.cpu()
-        places = torch.arange(int(lens.sum())).split(lens.tolist())
-        chosen = torch.cat([part for part, mine in zip(places, only.tolist()) if mine]).to(slots.device)
+        spans = torch.arange(int(lens.sum())).split(lens.tolist())
+        chosen = torch.cat([part for part, mine in zip(spans, only.tolist()) if mine]).to(slots.device)
         slots, score_slots = slots[chosen], score_slots[chosen]
         kept_lens = kept_lens * only.to(kept_lens.device)
     src = kept_sources(kept, kept_lens, kv_indptr)
@@ -212,9 +212,9 @@ def sparse_decode(
     """One decode step: store the new token, attend over the kept slots (`evict_planned` has
     run this step's evictions).
 
-    `q` is [B, H_q, D], `k`/`v` [B, H_kv, D], `positions` [B] the new tokens' places in their
+    `q` is [B, H_q, D], `k`/`v` [B, H_kv, D], `positions` [B] the new tokens' positions in their
     sequences. The new key's K/V and first score (the policy's `new_key_scores`) are stored in
-    one launch (`store_entries`), and the kernel updates every kept key's score with its
+    one launch (`write_entries`), and the kernel updates every kept key's score with its
     attention as the policy says (`score_update`: H2O-style accumulation by default), which the
     next eviction reads. Every shape here is fixed by the plan (no value is read back), so the
     step queues its work without waiting on the device and can be captured in a CUDA graph. A
@@ -222,7 +222,7 @@ def sparse_decode(
     policy, on its requests.
     """
     groups = policy_groups(plan, policy)
-    kernels.store_entries(
+    kernels.write_entries(
         buffers.k,
         buffers.v,
         buffers.scores,
@@ -348,7 +348,7 @@ def sparse_mixed(
     return torch.cat([o_extend, o_decode.view(-1, *o_extend.shape[1:])])
 
 
-def _store(buffers: LaneBuffers, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _write(buffers: LaneBuffers, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """K/V of new entries (their scores are the caller's: they live in slots of their own)."""
     buffers.k[slots] = k.to(buffers.k.dtype)
     buffers.v[slots] = v.to(buffers.v.dtype)

@@ -103,7 +103,7 @@ class SparseForward:
         """Whether a decode step of these requests can replay a captured graph: not when one
         scores with a policy of its own (the graph scores with the server's); counted."""
         if any(self.state.requests.policy[req_idx] is not None for req_idx in req_indices):
-            self.state.counters.eager_decode_steps += 1
+            self.state.counters.add(eager_decode_steps=1)
             return False
         return True
 

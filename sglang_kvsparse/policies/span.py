@@ -1,4 +1,4 @@
-"""Span: the observation window's attention, and a request's best places keep the keys that
+"""Span: the observation window's attention, and a request's best peaks keep the keys that
 follow them, so many-token answers survive."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_kvsparse.kernels import best_places, spread_scores
+from sglang_kvsparse.kernels import peaks, spread_scores
 from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
 from sglang_kvsparse.policies.sentences import raise_to_sentence_best, sentence_numbers
 from sglang_kvsparse.policies.snapkv import require_count, require_share
@@ -17,7 +17,7 @@ from sglang_kvsparse.policies.snapkv import require_count, require_share
 LONGEST_FOLLOW = 256
 #: Places followed per request and KV head: the best one (two answered fewer on the frozen suite,
 #: `bench/results/ablation-final-2026-12-04.md`).
-LONG_PLACES = 1
+LONG_PEAKS = 1
 #: Keys after which a sentence is cut even without an end mark: text without punctuation (code,
 #: tables) is not one sentence. (Cutting at 1,024 in its place gave the same answers on the frozen
 #: suite, whose text has punctuation.)
@@ -26,7 +26,7 @@ SENTENCE_KEYS = 64
 
 @dataclass(frozen=True)
 class SpanPolicy(ScoringPolicy):
-    """The observation window's attention (SnapKV's scores without its pooling); the best place of a
+    """The observation window's attention (SnapKV's scores without its pooling); the best peak of a
     request's text (per KV head: the best of the keys scoring highest within `long_follow` keys
     either side, past the sink and at least `long_follow` keys before the observation window, whose
     own text draws local attention) raises the `long_follow` keys after it to its score: a
@@ -71,7 +71,7 @@ class SpanPolicy(ScoringPolicy):
         `kv_indptr`; `sink` and `window` as the selection protects them)."""
         if not self.long_follow:
             return attention
-        best = best_places(attention, kv_indptr, LONG_PLACES, self.long_follow, sink, window + self.long_follow)
+        best = peaks(attention, kv_indptr, LONG_PEAKS, self.long_follow, sink, window + self.long_follow)
         # Attention mass is >= 0, so 0 leaves every other key to its own score.
         longer = spread_scores(torch.where(best, attention, 0.0), kv_indptr, self.long_follow)
         return torch.maximum(attention, longer)

@@ -26,7 +26,8 @@ chunk; the wait also covers shorter ones.)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -99,7 +100,7 @@ def rows_for_next_decode(state: SparseState, req_indices: list[int]) -> int:
     index = torch.tensor(req_indices, dtype=torch.int64)
     total = 0
     for group in state.groups:
-        held = group.table.lengths[index]
+        held = group.table.counts[index]
         kept = torch.where(held == state.max_entries(group, index), state.budgets(group, index), held)
         total += int((kept % state.page_size == 0).sum()) * group.columns * state.page_size
     return total
@@ -117,7 +118,7 @@ def decode_reserve(state: SparseState) -> int:
         final = state.requests.final_len[holding]
         final = torch.where(final == 0, state.resolved.context_len, final)
         most = torch.minimum(state.max_entries(group, holding), final)
-        pages = (most + page - 1) // page - (group.table.lengths[holding] + page - 1) // page
+        pages = (most + page - 1) // page - (group.table.counts[holding] + page - 1) // page
         total += int((pages.clamp(min=0) + 1).sum()) * page * group.columns
     return total
 
@@ -151,6 +152,16 @@ class AdmissionRound:
         #: While SGLang decides on one request: the sparse rows its prefill takes, by the
         #: prefill's end (prefix + extend tokens); what the heap allocator adds to SGLang's charge.
         self.charge: Callable[[int], int] | None = None
+
+    @contextmanager
+    def charging(self, charge: Callable[[int], int]) -> Iterator[None]:
+        """While SGLang decides on one request, `charge` (the sparse rows of its prefill, by the
+        prefill's end) is what the heap allocator adds to SGLang's charge."""
+        self.charge = charge
+        try:
+            yield
+        finally:
+            self.charge = None
 
     def should_wait(self, token_ids: Sequence[int], prefix_len: int) -> bool:
         """Whether the request is better prefilled next round, when a prompt admitted in this

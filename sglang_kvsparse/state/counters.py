@@ -42,3 +42,17 @@ class Counters:
     #: Requests given rows, by their setting's label (`RequestSparsity.label`); a retracted
     #: request counts again when it is readmitted.
     requests_by_setting: dict[str, int] = field(default_factory=dict)
+
+    def add(self, **amounts: int) -> None:
+        """Count these events (field name -> how many more)."""
+        for name, amount in amounts.items():
+            setattr(self, name, getattr(self, name) + amount)
+
+    def peak(self, **values: int) -> None:
+        """Keep the largest value seen of these peaks (field name -> this time's value)."""
+        for name, value in values.items():
+            setattr(self, name, max(getattr(self, name), value))
+
+    def count_setting(self, label: str) -> None:
+        """One more request given rows with the setting of this label."""
+        self.requests_by_setting[label] = self.requests_by_setting.get(label, 0) + 1

@@ -30,7 +30,7 @@ class HeapExhausted(HeapError):
 class EntryTable:
     """Per request index: its entries' heap rows in each column, in position order.
 
-    Invariant: an active request of length L holds exactly ceil(L / page_size) pages per column.
+    Invariant: an active request of `count` entries holds exactly ceil(count / page_size) pages per column.
     """
 
     def __init__(self, max_requests: int, max_entries: int, columns: int, page_size: int) -> None:
@@ -42,7 +42,7 @@ class EntryTable:
         self.page_size = page_size
         self.capacity = round_up(max_entries, page_size)
         self.table = torch.zeros(max_requests, self.capacity, columns, dtype=torch.int64)
-        self.lengths = torch.zeros(max_requests, dtype=torch.int64)
+        self.counts = torch.zeros(max_requests, dtype=torch.int64)
         self.active = torch.zeros(max_requests, dtype=torch.bool)
 
     # -- queries ---------------------------------------------------------------------------
@@ -50,47 +50,47 @@ class EntryTable:
         self._check(req_idx)
         return bool(self.active[req_idx])
 
-    def length(self, req_idx: int) -> int:
+    def count(self, req_idx: int) -> int:
         self._require_active(req_idx)
-        return int(self.lengths[req_idx])
+        return int(self.counts[req_idx])
 
     def entries(self, req_idx: int) -> torch.Tensor:
-        """The request's entries' heap rows [length, columns], in position order (a copy)."""
+        """The request's entries' heap rows [count, columns], in position order (a copy)."""
         self._require_active(req_idx)
-        return self.table[req_idx, : int(self.lengths[req_idx])].clone()
+        return self.table[req_idx, : int(self.counts[req_idx])].clone()
 
     def active_requests(self) -> torch.Tensor:
         """The request indices holding entries."""
         return torch.nonzero(self.active).flatten()
 
-    def pages_for(self, length: int) -> int:
-        """Heap pages a request of `length` entries holds, over all columns."""
-        return round_up(length, self.page_size) // self.page_size * self.columns
+    def pages_for(self, count: int) -> int:
+        """Heap pages a request of `count` entries holds, over all columns."""
+        return round_up(count, self.page_size) // self.page_size * self.columns
 
     def rows_held(self) -> int:
         """Heap rows every active request holds together."""
-        pages = (self.lengths[self.active] + self.page_size - 1) // self.page_size
+        pages = (self.counts[self.active] + self.page_size - 1) // self.page_size
         return int(pages.sum()) * self.page_size * self.columns
 
     # -- updates ---------------------------------------------------------------------------
-    def assign(self, req_idx: int, length: int, rows: torch.Tensor) -> None:
-        """Give an idle request `length` entries held in heap `rows` (`pages_for(length)` pages,
+    def assign(self, req_idx: int, count: int, rows: torch.Tensor) -> None:
+        """Give an idle request `count` entries held in heap `rows` (`pages_for(count)` pages,
         page by page, columns of one page position side by side)."""
         self._check(req_idx)
         if self.active[req_idx]:
             raise HeapError(f"request {req_idx} already holds entries; release it first")
-        if not 0 <= length <= self.max_entries:
-            raise HeapError(f"assign of {length} entries to request {req_idx}: must be in 0..{self.max_entries}")
-        held = round_up(length, self.page_size)
+        if not 0 <= count <= self.max_entries:
+            raise HeapError(f"assign of {count} entries to request {req_idx}: must be in 0..{self.max_entries}")
+        held = round_up(count, self.page_size)
         if rows.numel() != held * self.columns:
-            raise HeapError(f"assign of {length} entries needs {held * self.columns} rows, got {rows.numel()}")
+            raise HeapError(f"assign of {count} entries needs {held * self.columns} rows, got {rows.numel()}")
         self.table[req_idx, :held] = self._as_entries(rows)
-        self.lengths[req_idx] = length
+        self.counts[req_idx] = count
         self.active[req_idx] = True
 
     def needing_page(self, req_indices: torch.Tensor) -> torch.Tensor:
         """Of these requests (about to append one entry each), those whose last page is full."""
-        return req_indices[self.lengths[req_indices] % self.page_size == 0]
+        return req_indices[self.counts[req_indices] % self.page_size == 0]
 
     def append(self, req_indices: torch.Tensor, new_rows: torch.Tensor) -> None:
         """Append one entry to each of these requests (distinct, active); heap `new_rows` holds a
@@ -101,32 +101,32 @@ class EntryTable:
             raise HeapError("append: a request is listed twice")
         if not bool(self.active[req_indices].all()):
             raise HeapError("append to a request that holds no entries")
-        if bool((self.lengths[req_indices] >= self.max_entries).any()):
+        if bool((self.counts[req_indices] >= self.max_entries).any()):
             raise HeapError(f"append to a full request ({self.max_entries} entries): evict first")
         growing = self.needing_page(req_indices)
         if new_rows.numel() != growing.numel() * self.page_size * self.columns:
             raise HeapError(f"append needs {growing.numel()} pages per column, got {new_rows.numel()} rows")
         if growing.numel():
-            positions = self.lengths[growing][:, None] + torch.arange(self.page_size)
+            positions = self.counts[growing][:, None] + torch.arange(self.page_size)
             pages = new_rows.view(growing.numel(), self.page_size * self.columns)
             self.table[growing[:, None], positions] = pages.view(-1, self.columns, self.page_size).transpose(1, 2)
-        self.lengths[req_indices] += 1
+        self.counts[req_indices] += 1
 
     def last_entries(self, req_indices: torch.Tensor) -> torch.Tensor:
         """The newest entry's heap row of each of these requests, [len(req_indices), columns]."""
-        return self.table[req_indices, self.lengths[req_indices] - 1]
+        return self.table[req_indices, self.counts[req_indices] - 1]
 
-    def shrink(self, req_idx: int, length: int) -> torch.Tensor:
-        """Cut the request to its first `length` entries; returns the heap rows of the whole pages
+    def shrink(self, req_idx: int, count: int) -> torch.Tensor:
+        """Cut the request to its first `count` entries; returns the heap rows of the whole pages
         past them (for the caller to give back)."""
         self._require_active(req_idx)
-        old = int(self.lengths[req_idx])
-        if not 0 <= length <= old:
-            raise HeapError(f"shrink of request {req_idx} to {length}: must be in 0..{old}")
-        keep, held = round_up(length, self.page_size), round_up(old, self.page_size)
+        old = int(self.counts[req_idx])
+        if not 0 <= count <= old:
+            raise HeapError(f"shrink of request {req_idx} to {count}: must be in 0..{old}")
+        keep, held = round_up(count, self.page_size), round_up(old, self.page_size)
         freed = self._as_pages(self.table[req_idx, keep:held])
         self.table[req_idx, keep:held] = 0
-        self.lengths[req_idx] = length
+        self.counts[req_idx] = count
         return freed
 
     def release(self, req_idx: int) -> torch.Tensor:

@@ -75,10 +75,10 @@ class ReleasedIds:
             landed = first.ready() and (second is None or second.ready())
             if not landed and not wait:
                 return
-            self.counters.release_waits += not landed
+            self.counters.add(release_waits=int(not landed))
             self._queue.popleft()
             if second is not None:
-                self.counters.store_entries_adopted += self.store.adopt(first.value(), second.value())
+                self.counters.add(store_entries_adopted=self.store.adopt(first.value(), second.value()))
                 continue
             ids = first.value().to(torch.int64)
             self.heap.give(self.store.forget(ids))

@@ -118,6 +118,10 @@ class Requests:
         self.move(req_indices[new], Phase.ADMITTED)
         return new
 
+    def set_length(self, req_indices: torch.Tensor, lengths: torch.Tensor) -> None:
+        """These requests' sequences are now `lengths` long (SGLang allocated their tokens)."""
+        self.length[req_indices] = lengths
+
     def release(self, req_idx: int) -> None:
         """Forget the request at `req_idx` (FREE)."""
         self.move(torch.tensor([req_idx]), Phase.FREE)

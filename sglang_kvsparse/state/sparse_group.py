@@ -70,13 +70,13 @@ class SparseGroup:
 
     def stale_entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(flat indices into `device_table`, their values, flat indices into `device_scores`,
-        their values), all host, from the host tables as they are now (a place changed twice is
+        their values), all host, from the host tables as they are now (an index changed twice is
         copied once, at its last value); the pending changes are forgotten."""
         table, page = self.table, self.table.page_size
         width = table.capacity * self.columns
         entry_parts = []
         for req_indices in self.stale_requests:
-            lengths = (table.lengths[req_indices] + page - 1) // page * page
+            lengths = (table.counts[req_indices] + page - 1) // page * page
             entry_parts.append(_line_spans(req_indices, lengths * self.columns, width))
         for req_indices, starts in self.stale_pages:
             first = req_indices * width + starts * self.columns
@@ -123,7 +123,7 @@ class SparseGroup:
         pages += sum(score_widths) * self.columns // table.page_size
         if stepping.numel() and not bool(table.active[stepping].all()):
             raise HeapError("a decoding request holds no sparse entries")
-        held = table.lengths[stepping]
+        held = table.counts[stepping]
         full = held == max_entries
         evicting = stepping[full]
         if any(int(req_idx) in self.evictions for req_idx in evicting):
@@ -162,7 +162,7 @@ class SparseGroup:
             self.evictions[req_idx] = table.entries(req_idx)
             freed.append(table.shrink(req_idx, budget))
         growing = table.needing_page(stepping)
-        starts = table.lengths[growing]
+        starts = table.counts[growing]
         table.append(stepping, rows[offset:])
         self.mirror_pages(growing, starts)
         return torch.cat(freed) if freed else torch.empty(0, dtype=torch.int64)
@@ -189,6 +189,13 @@ class SparseGroup:
             parts.append(held[held > 0])
             self.score_table[req_idx] = 0
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def reset(self) -> None:
+        """SGLang reset its allocator: no request holds anything here any more."""
+        for req_idx in self.table.active_requests().tolist():
+            self.table.release(req_idx)
+        self.evictions.clear()
+        self.score_table.zero_()
 
     def rows_held(self) -> int:
         """Heap rows the group's requests hold: entries (pending evictions' included) and scores."""

@@ -58,9 +58,11 @@ class SparseState:
         max_requests: int,
         heap_rows: int,
         prefix_cache: bool = False,
+        sentence_marks: SentenceMarks | None = None,
     ) -> None:
         """`heap`: SGLang's allocator, raw (ids 1..heap_rows, pages of `heap.page_size`).
-        `prefix_cache`: keep prompt tokens' sparse K/V for radix-tree hits (SGLang's cache is on)."""
+        `prefix_cache`: keep prompt tokens' sparse K/V for radix-tree hits (SGLang's cache is on).
+        `sentence_marks`: the server's, when it has a tokenizer."""
         self.resolved = resolved
         self.config = resolved.config
         self.page_size = heap.page_size
@@ -96,7 +98,7 @@ class SparseState:
         #: SGLang's freed ids on their way to the host, for the prefix store (None without one).
         self.released = ReleasedIds(self.store, heap, self.counters) if self.store is not None else None
         self.heap = Heap(heap, self.store, self.released, self.describe_heap)
-        self.sentence_marks: SentenceMarks | None = None  # the server's, when it has a tokenizer
+        self.sentence_marks = sentence_marks
 
     # -- AuxCache (called by SGLang's ReqToTokenPool) --------------------------------------
     def alloc_to_lengths(self, *, req_pool_indices_cpu: torch.Tensor, target_seq_lens_cpu: torch.Tensor) -> None:
@@ -137,7 +139,7 @@ class SparseState:
         refills = self.heap.refills
         taken = self.heap.take(total) if total else torch.empty(0, dtype=torch.int64)
         if not bool(prefilling.any()):
-            self.counters.decode_refills += self.heap.refills - refills
+            self.counters.add(decode_refills=self.heap.refills - refills)
         offset = 0
         for group, (kept_new, widths, pages, evicting) in zip(self.groups, plans):
             mine = taken[offset : offset + pages * self.page_size]
@@ -145,11 +147,11 @@ class SparseState:
             cut = group.grow(new_indices, kept_new, widths, stepping, evicting, self.budgets(group, evicting), mine)
             if cut.numel():
                 self.heap.defer(cut)
-        requests.length[req_indices] = targets
+        requests.set_length(req_indices, targets)
         requests.move(req_indices[chunk], Phase.CHUNKED)
         requests.move(req_indices[new], Phase.PREFILLING)
         requests.move(stepping, Phase.DECODING)
-        self.counters.requests_running_peak = max(self.counters.requests_running_peak, self.requests_running())
+        self.counters.peak(requests_running_peak=self.requests_running())
         if bool(prefilling.any()):  # a prefill's allocation, where the host may wait: never a decode step's
             self.heap.reserve(decode_reserve(self))
 
@@ -180,9 +182,8 @@ class SparseState:
             settings,
             lambda setting: setting.own_budget(self.resolved),
         )
-        counts = self.counters.requests_by_setting
         for setting in (s for s, is_new in zip(settings, new.tolist()) if is_new):
-            counts[setting.label] = counts.get(setting.label, 0) + 1
+            self.counters.count_setting(setting.label)
 
     def clear(self) -> None:
         """Release every request, the deferred evictions and the prefix store, giving rows back."""
@@ -197,10 +198,7 @@ class SparseState:
     def reset_allocator(self) -> None:
         """SGLang reset its allocator (every row is free again): forget what we held."""
         for group in self.groups:
-            for req_idx in group.table.active_requests().tolist():
-                group.table.release(req_idx)
-            group.evictions.clear()
-            group.score_table.zero_()
+            group.reset()
         self.requests.reset()
         self.heap.forget_deferred()
         if self.store is not None:
@@ -230,13 +228,11 @@ class SparseState:
         partial = self.requests.is_(Phase.CHUNKED, index)
         held = self.store.held_by if self.store is not None else {}
         hits = [int(n) for n, i in zip(prefix, index.tolist()) if n and i not in held]
-        counters = self.counters
-        counters.forward_plans += 1
-        counters.chunks_stored += int(partial.sum())
-        counters.prefix_hits += len(hits)
-        counters.prefix_tokens_reused += sum(hits)
         policies = {self.requests.policy[i] or self.policy for i in index.tolist()}
-        counters.scoring_passes_peak = max(counters.scoring_passes_peak, len(policies) or 1)
+        self.counters.add(
+            forward_plans=1, chunks_stored=int(partial.sum()), prefix_hits=len(hits), prefix_tokens_reused=sum(hits)
+        )
+        self.counters.peak(scoring_passes_peak=len(policies) or 1)
         step = ExtendStep(index, prefix, extend, partial)
         if self.store is not None:
             if new_ids is None or len(prefix_ids) != len(index):
@@ -255,7 +251,7 @@ class SparseState:
     def begin_decode(self, req_indices: Sequence[int]) -> list[EvictingRequests]:
         """A decode step: its evictions (cut by the allocation) taken off the groups, one record
         per group and (budget, policy) among them."""
-        self.counters.forward_plans += 1
+        self.counters.add(forward_plans=1)
         listed = [int(i) for i in req_indices]
         evicting_groups = []
         for g, group in enumerate(self.groups):
@@ -269,8 +265,8 @@ class SparseState:
                 members.setdefault((budget, self.requests.policy[req_idx]), []).append(req_idx)
             for (budget, policy), indices in members.items():
                 evicting_groups.append(EvictingRequests(g, budget, policy, indices, [olds[i] for i in indices]))
-            self.counters.evictions += len(evicting)
-        self.counters.evictions_per_step_peak = max(self.counters.evictions_per_step_peak, len(evicting_groups))
+            self.counters.add(evictions=len(evicting))
+        self.counters.peak(evictions_per_step_peak=len(evicting_groups))
         return evicting_groups
 
     def finish_forward(self) -> None:
@@ -304,7 +300,7 @@ class SparseState:
     def rows_held(self, req_idx: int) -> int:
         """Heap rows the request at `req_idx` holds in the sparse columns now (scores included)."""
         return sum(
-            group.columns * round_up(group.table.length(req_idx), self.page_size)
+            group.columns * round_up(group.table.count(req_idx), self.page_size)
             + int((group.score_table[req_idx] > 0).sum())
             for group in self.groups
             if group.table.is_active(req_idx)
@@ -360,7 +356,7 @@ class SparseState:
             return (), None
         positions = ranges(indptr(step.extend_lens)[:-1][waiting], step.extend_lens[waiting])
         rows = self.layout.guide_rows(positions.numel())
-        self.counters.guide_rows_peak = max(self.counters.guide_rows_peak, rows)
+        self.counters.peak(guide_rows_peak=rows)
         taken = self.heap.take_for_forward(rows).view(self.layout.num_columns, -1)
         return tuple(taken[:, : positions.numel()]), positions
 

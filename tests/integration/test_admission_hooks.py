@@ -112,12 +112,13 @@ def test_a_request_refused_while_guided_prefills_hold_rows_is_tried_next_round(m
 
     from sglang_kvsparse.patches import admission, context
     from sglang_kvsparse.state.admission import AdmissionRound
+    from sglang_kvsparse.state.counters import Counters
     from sglang_kvsparse.state.requests import Requests
 
     state = SimpleNamespace(
         resolved=SimpleNamespace(context_len=8192, request_cap=8192),
         store=None,
-        counters=SimpleNamespace(guide_waits=0, setting_waits=0),
+        counters=Counters(),
         requests=Requests(4),
     )
     monkeypatch.setattr(context, "_state", state)

@@ -23,7 +23,7 @@ def test_every_kernel_compiles_for_sm90_with_both_tritons() -> None:
     assert {run["triton"].rsplit(".", 1)[0] for run in runs} >= {"3.6"}
     for run in runs:
         families = {row["case"]["family"] for row in run["results"]}
-        assert families == {"extend", "window_scores", "decode", "store", "evict"}
+        assert families == {"extend", "window_scores", "decode", "write", "evict"}
         dims = {row["case"]["head_dim"] for row in run["results"]}
         assert dims == {64, 128, 256}
         # every case compiled at least one kernel, with its resources read from ptxas
@@ -56,7 +56,7 @@ def launch(case):
     else:
         cc._launch(case)
 
-results = cc.check(90, [cc.Case("bad", 8, "bfloat16"), cc.Case("store", 128, "bfloat16")], print, launch)
+results = cc.check(90, [cc.Case("bad", 8, "bfloat16"), cc.Case("write", 128, "bfloat16")], print, launch)
 print("RESULT", [(r.case.family, r.ok) for r in results], results[0].error[:200].replace(chr(10), " "))
 """
     bench = Path(compile_check.__file__).parent
@@ -67,7 +67,7 @@ print("RESULT", [(r.case.family, r.ok) for r in results], results[0].error[:200]
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
-    assert "[('bad', False), ('store', True)]" in result, result
+    assert "[('bad', False), ('write', True)]" in result, result
 
 
 @pytest.mark.parametrize(

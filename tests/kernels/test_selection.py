@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sglang_kvsparse.kernels import best_places, pool_scores, select_kept, select_rows, spread_scores
+from sglang_kvsparse.kernels import peaks, pool_scores, select_kept, select_rows, spread_scores
 from sglang_kvsparse.kernels.testing import indptr_from_lens
 
 LENS = [1, 7, 30, 4, 19]
@@ -88,7 +88,7 @@ def test_spread_matches_naive_and_stays_in_its_request(follow):
         spread_scores(scores, indptr_from_lens(LENS, "cpu"), -1)
 
 
-def naive_best_places(scores, lens, count, radius, skip_first, skip_last):
+def naive_peaks(scores, lens, count, radius, skip_first, skip_last):
     """Per request and head: the keys that are the max of their +-radius neighbourhood, inside
     the skipped edges, scoring at least the count-th best of them."""
     out, start = [], 0
@@ -114,20 +114,18 @@ def naive_best_places(scores, lens, count, radius, skip_first, skip_last):
 )
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
 @pytest.mark.parametrize("lens", [LENS, [0, 1, 7, 0, 30, 4, 19, 0]], ids=["lens", "empty-requests"])
-def test_best_places_match_naive(count, radius, skip_first, skip_last, ties, lens):
+def test_peaks_match_naive(count, radius, skip_first, skip_last, ties, lens):
     """The count best local maxima per request and head, ties included, inside the skipped edges
     (count 1 takes its own path: a per-request max, no sort)."""
     scores = torch.rand(sum(lens), 3, generator=torch.Generator().manual_seed(radius))
     if ties:  # plateaus, as max pooling makes them
         scores = (scores * 4).round() / 4
-    best = best_places(scores, indptr_from_lens(lens, "cpu"), count, radius, skip_first, skip_last)
+    best = peaks(scores, indptr_from_lens(lens, "cpu"), count, radius, skip_first, skip_last)
     if count == 0:
         assert not best.any()
-    assert torch.equal(
-        best, naive_best_places(scores, lens, max(count, 1), radius, skip_first, skip_last) & (count > 0)
-    )
+    assert torch.equal(best, naive_peaks(scores, lens, max(count, 1), radius, skip_first, skip_last) & (count > 0))
     with pytest.raises(ValueError, match="need count, radius"):
-        best_places(scores, indptr_from_lens(lens, "cpu"), -1, radius, skip_first, skip_last)
+        peaks(scores, indptr_from_lens(lens, "cpu"), -1, radius, skip_first, skip_last)
 
 
 @pytest.mark.parametrize("budget, sink, window", [(10, 2, 3), (5, 0, 0), (6, 6, 0), (30, 1, 1)])

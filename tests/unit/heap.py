@@ -151,7 +151,7 @@ def assert_device_tables_mirror_the_host(state):
         group.device_table.view(-1)[entries] = values.to(torch.int32)
         group.device_scores.view(-1)[score_entries] = score_values.to(torch.int32)
         for req_idx in group.table.active_requests().tolist():
-            n = group.table.length(req_idx)
+            n = group.table.count(req_idx)
             assert torch.equal(group.device_table[req_idx, :n].long(), group.table.table[req_idx, :n]), req_idx
             assert torch.equal(group.device_scores[req_idx].long(), group.score_table[req_idx]), req_idx
 

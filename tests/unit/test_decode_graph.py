@@ -51,7 +51,7 @@ def test_graph_replay_matches_eager_over_hundreds_of_steps_with_evictions():
         assert torch.allclose(lane_a.k[live], lane_b.k[live]) and torch.allclose(lane_a.v[live], lane_b.v[live])
     group = eager_state.groups[0]
     for req_idx in group.table.active_requests().tolist():
-        n = group.table.length(req_idx)
+        n = group.table.count(req_idx)
         slots = group.score_slots(torch.full((n,), req_idx), torch.arange(n)).reshape(-1)
         for lane_a, lane_b in zip(eager_state.lanes, replay_state.lanes):
             assert torch.allclose(lane_a.scores[slots], lane_b.scores[slots], atol=1e-6)

@@ -16,7 +16,7 @@ def test_assign_lays_pages_out_by_position_and_column():
     assert table.pages_for(3) == 4  # 2 pages per column
     table.assign(1, 3, pages(10, 20, 30, 40))  # position page 0: cols (10, 20); page 1: (30, 40)
     assert table.entries(1).tolist() == [[10, 20], [11, 21], [30, 40]]
-    assert table.length(1) == 3 and table.rows_held() == 8
+    assert table.count(1) == 3 and table.rows_held() == 8
     with pytest.raises(HeapError, match="already"):
         table.assign(1, 1, pages(50, 60))
     with pytest.raises(HeapError, match="needs"):
@@ -41,7 +41,7 @@ def test_shrink_and_release_return_whole_pages():
     table = EntryTable(max_requests=4, max_entries=8, columns=2, page_size=2)
     table.assign(1, 6, pages(10, 20, 30, 40, 50, 60))
     freed = table.shrink(1, 3)  # keeps 2 pages per column
-    assert sorted(freed.tolist()) == [50, 51, 60, 61] and table.length(1) == 3
+    assert sorted(freed.tolist()) == [50, 51, 60, 61] and table.count(1) == 3
     assert sorted(table.release(1).tolist()) == [10, 11, 20, 21, 30, 31, 40, 41]
     assert not table.is_active(1) and table.rows_held() == 0
     with pytest.raises(HeapError, match="holds no entries"):

@@ -20,7 +20,7 @@ def host_state(state, heap) -> dict:
         "counters": dataclasses.asdict(state.counters),
         "requests": [t.clone() for t in (requests.length, requests.final_len, requests.budget, requests.phase)],
         "held": {i: b.clone() for i, b in store.held_by.items()},
-        "tables": [(g.table.table.clone(), g.table.lengths.clone(), g.score_table.clone()) for g in state.groups],
+        "tables": [(g.table.table.clone(), g.table.counts.clone(), g.score_table.clone()) for g in state.groups],
         "evictions": [sorted(g.evictions) for g in state.groups],
         "free": heap.free_rows(),
         "deferred": state.heap.deferred_rows(),

@@ -46,7 +46,7 @@ def held(state, layer: int, row: int, keys: torch.Tensor) -> tuple[list[list[int
     `keys` [L, H, D]), and their stored scores [n, H]."""
     place = state.layout.layer_places[layer]
     group, lane = state.groups[place.group], state.lanes[place.lane]
-    n = group.table.length(row)
+    n = group.table.count(row)
     stored = lane.k[group.table.entries(row)[:n, place.column]]
     positions = [[int((keys[:, h] == stored[e, h]).all(-1).nonzero().item()) for e in range(n)] for h in range(H_KV)]
     score_slots = group.score_slots(torch.full((n,), row), torch.arange(n))[:, place.column]

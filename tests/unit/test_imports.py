@@ -146,10 +146,25 @@ def test_every_core_module_stays_small() -> None:
     assert not long, f"modules over {MODULE_LINES} lines (split them by job): {long}"
 
 
-#: Names that meant a request index or a layer's place before the rename (`docs/architecture.md`,
-#: "Words"): a request index is `req_idx` / `req_indices`, a sparse layer's place a `LayerPlace`.
-#: (`req` stays SGLang's request object in the patches.)
-RETIRED_NAMES = {"row", "slot", "RowTable", "SparseSlot", "sparse_slots", "running_rows", "row_budget"}
+#: Names retired for meaning two things (`docs/architecture.md`, "Words"): a request index is
+#: `req_idx` / `req_indices`, a sparse layer's place a `LayerPlace`, a request's record `Requests`,
+#: the entries a request holds a count (`EntryTable.counts`), `span`'s best key a peak, writing a
+#: lane's K/V `write_entries` (the store is the prefix store's only). (`req` stays SGLang's request
+#: object in the patches.)
+RETIRED_NAMES = {
+    "row",
+    "slot",
+    "RowTable",
+    "SparseSlot",
+    "sparse_slots",
+    "running_rows",
+    "row_budget",
+    "RequestTable",
+    "best_places",
+    "store_entries",
+    "_store",
+    "_store_all",
+}
 
 
 def test_retired_words_are_gone_and_the_glossary_names_the_new_ones() -> None:
@@ -171,5 +186,15 @@ def test_retired_words_are_gone_and_the_glossary_names_the_new_ones() -> None:
             found += [(name, n, node.lineno) for n in names if n in RETIRED_NAMES]
     assert not found, found
     words = (ROOT / "docs" / "architecture.md").read_text().split("## Words", 1)[1].split("\n## ", 1)[0]
-    for word in ("| heap row |", "| request index (`req_idx`) |", "| place (`LayerPlace`) |", "| slot |"):
+    for word in (
+        "| heap row |",
+        "| request index (`req_idx`) |",
+        "| place (`LayerPlace`) |",
+        "| slot |",
+        "| record |",
+        "| count |",
+        "| length |",
+        "| store |",
+        "| peak |",
+    ):
         assert word in words, word

@@ -138,7 +138,7 @@ class Row:
     def held(self, keys: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
         """Per KV head, the positions the row holds in entry order (found by their keys among
         `keys` [L, H, D]), and their stored scores [n, H] in float64."""
-        n = self.group.table.length(1)
+        n = self.group.table.count(1)
         rows = self.group.table.entries(1)[:n, self.place.column]
         score_slots = self.group.score_slots(torch.full((n,), 1), torch.arange(n))[:, self.place.column]
         stored = self.lane.k[rows]

@@ -169,7 +169,7 @@ def test_requests_with_different_settings_in_one_batch_each_keep_their_own():
     charges = [request_rows_to_hold(state, req_idx, final) for req_idx, final in zip(req_indices, [40, 40, 30])]
     assert charges == [3 * (24 + 3), 3 * (28 + 4), 3 * 30]
     grow(state, req_indices, [prompt] * 3)
-    assert group.table.lengths[req_indices].tolist() == [8, 12, 20]
+    assert group.table.counts[req_indices].tolist() == [8, 12, 20]
     assert [state.rows_held(req_idx) for req_idx in req_indices] == [3 * (8 + 3), 3 * (12 + 4), 3 * 20]
     assert state.requests.own_settings() == {(12, None), (40, None)}  # off keeps the largest request budget
     plan = forward_prefill(state, req_indices, [prompt] * 3)
@@ -189,10 +189,10 @@ def test_requests_with_different_settings_in_one_batch_each_keep_their_own():
         for req_idx in decoding:
             lengths[req_idx] += 1
         if lengths[3] == 30 and bool(state.requests.running()[3]):
-            assert group.table.length(3) == 30  # off: every token, never a score row
+            assert group.table.count(3) == 30  # off: every token, never a score row
             assert state.rows_held(3) == 3 * 30
             state.free(3)
-    assert group.table.lengths[[1, 2]].tolist() == [9, 13]
+    assert group.table.counts[[1, 2]].tolist() == [9, 13]
     state.expect([2], [40], [prompt], [settings[1]])  # as SGLang does for a chunked prompt's next chunk
     assert collect(state, heap.free_rows()).requests_by_setting == {"server": 1, "budget 12": 1, "off": 1}
     state.free(1)
@@ -252,7 +252,7 @@ def run_requests(state, req_indices, settings, prompts, steps):
 def kept(state, req_idx):
     """Per sparse layer: the K and the scores of the req_idx's entries, in position order."""
     group = state.groups[0]
-    n = group.table.length(req_idx)
+    n = group.table.count(req_idx)
     held = []
     for place in state.layout.layer_places.values():
         lane = state.lanes[place.lane]
@@ -282,7 +282,7 @@ def test_a_request_with_its_own_policy_keeps_what_a_server_of_that_policy_keeps(
     for req_idx, policy, prompt, step in zip([1, 2, 3], own, prompts, steps):
         alone, _ = make_state(policy=policy or server, **options)
         run_requests(alone, [1], [SERVER_SETTING], [prompt], [step])
-        assert mixed.groups[0].table.length(req_idx) == alone.groups[0].table.length(1) == 8 + 20 - 16  # evicted once
+        assert mixed.groups[0].table.count(req_idx) == alone.groups[0].table.count(1) == 8 + 20 - 16  # evicted once
         for (k_mixed, s_mixed), (k_alone, s_alone) in zip(kept(mixed, req_idx), kept(alone, 1)):
             torch.testing.assert_close(k_mixed, k_alone, rtol=0, atol=0)
             torch.testing.assert_close(s_mixed, s_alone, rtol=1e-5, atol=1e-6)

@@ -62,7 +62,7 @@ def test_columns_share_rows_and_layers_in_a_column_have_their_own_lanes():
 def test_prefill_then_decode_then_free_returns_every_row():
     state, heap = make_state(page=4)
     grow(state, [1, 2], [5, 3])
-    assert state.groups[0].table.length(1) == 5 and heap.free_rows() == 256 - 3 * (8 + 4)
+    assert state.groups[0].table.count(1) == 5 and heap.free_rows() == 256 - 3 * (8 + 4)
     grow(state, [1, 2], [6, 4])
     assert state.requests_running() == 2
     state.free(1)
@@ -75,14 +75,14 @@ def test_refuses_jumps_and_exhaustion_without_partial_state():
     state, heap = make_state(num_layers=4, context=64, budget=8, rows=64)  # max_entries 24
     state.expect([1, 2], [6, 31])  # request 2 will evict: 3 score rows per column (8 entries a row)
     grow(state, [1, 2], [4, 30])
-    assert state.groups[0].table.length(2) == 8  # a prefill keeps min(length, budget)
+    assert state.groups[0].table.count(2) == 8  # a prefill keeps min(length, budget)
     assert heap.free_rows() == 64 - (4 + 8) * 3 - 3 * 3
     with pytest.raises(HeapError, match="one decode token"):
         grow(state, [1], [6])
     state.expect([3], [8])  # SGLang gives request 3 its index, then fails to allocate its tokens
     with pytest.raises(HeapExhausted):
         grow(state, [1, 2, 3], [5, 31, 8])  # (1 + 1 + 8) entries + 3 score rows x 3 columns, 19 free
-    assert state.groups[0].table.length(1) == 4 and state.groups[0].table.length(2) == 8
+    assert state.groups[0].table.count(1) == 4 and state.groups[0].table.count(2) == 8
     assert not state.groups[0].table.is_active(3) and heap.free_rows() == 19
     assert state.requests.phase[[1, 2, 3]].tolist() == [Phase.PREFILLING, Phase.PREFILLING, Phase.ADMITTED]
 
@@ -153,7 +153,7 @@ def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries
         grow(state, [1, 2], [20 + n, 3 + n])
         plan_decode(state, [1, 2])
         state.finish_forward()
-    assert table.length(1) == budget + evict_page
+    assert table.count(1) == budget + evict_page
     old = entries(state, 1, 1)
     old_scores = score_slots(state, 1, 1, old.numel())
     assert bool((old_scores >= (256 + 1) * 0).all()) and old_scores.unique().numel() == old.numel()
@@ -164,7 +164,7 @@ def test_decode_eviction_bounds_rows_and_keeps_protected_and_best_scored_entries
 
     free_before = heap.free_rows()
     grow(state, [1, 2], [25, 8])
-    assert table.length(1) == budget + 1 and table.length(2) == 8  # request 2 is below its budget
+    assert table.count(1) == budget + 1 and table.count(2) == 8  # request 2 is below its budget
     # The evicted pages stay out of the heap until the forward that reads them was issued.
     assert heap.free_rows() == free_before - 2 * 3 and state.heap.deferred_rows() == evict_page * 3
     plan = plan_decode(state, [1, 2])

@@ -5,7 +5,7 @@ nothing else changes."""
 import pytest
 import torch
 
-from sglang_kvsparse.kernels import store_entries
+from sglang_kvsparse.kernels import write_entries
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
@@ -25,7 +25,7 @@ def test_store_matches_reference(dtype, new_dtype, head_dim, with_scores, device
     bufs = {}
     for backend in ("triton", "torch"):
         bufs[backend] = (k_buf.clone(), v_buf.clone(), score_buf.clone())
-        store_entries(*bufs[backend], slots, score_slots, k, v, scores, backend=backend)
+        write_entries(*bufs[backend], slots, score_slots, k, v, scores, backend=backend)
     for got, want in zip(bufs["triton"], bufs["torch"]):
         assert torch.equal(got, want)
     stored_k, _, stored_scores = bufs["torch"]
@@ -41,8 +41,8 @@ def test_store_rejects_bad_shapes():
     buf, scores = torch.zeros(8, 2, 16), torch.zeros(8, 2)
     slots = torch.arange(3)
     with pytest.raises(ValueError, match="k and v"):
-        store_entries(buf, buf.clone(), scores, slots, slots, torch.zeros(3, 2, 8), torch.zeros(3, 2, 8))
+        write_entries(buf, buf.clone(), scores, slots, slots, torch.zeros(3, 2, 8), torch.zeros(3, 2, 8))
     with pytest.raises(ValueError, match="scores"):
-        store_entries(buf, buf.clone(), scores, slots, slots, torch.zeros(3, 2, 16), torch.zeros(3, 2, 16), scores)
+        write_entries(buf, buf.clone(), scores, slots, slots, torch.zeros(3, 2, 16), torch.zeros(3, 2, 16), scores)
     with pytest.raises(ValueError, match="slots"):
-        store_entries(buf, buf.clone(), scores, slots, slots[:2], torch.zeros(3, 2, 16), torch.zeros(3, 2, 16))
+        write_entries(buf, buf.clone(), scores, slots, slots[:2], torch.zeros(3, 2, 16), torch.zeros(3, 2, 16))

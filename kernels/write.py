@@ -17,7 +17,7 @@ from .common import Backend, use_triton
 
 
 @triton.jit
-def _store_entries_kernel(
+def _write_entries_kernel(
     K_buf,
     V_buf,
     S_buf,
@@ -84,7 +84,7 @@ def _check(
         raise ValueError(f"scores must be [N={n}, H_kv={heads}], got {tuple(scores.shape)}")
 
 
-def store_entries_triton(
+def write_entries_triton(
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
     score_buf: torch.Tensor,
@@ -94,13 +94,13 @@ def store_entries_triton(
     v: torch.Tensor,
     scores: torch.Tensor | None = None,
 ) -> None:
-    """Triton implementation; see :func:`store_entries` for the contract."""
+    """Triton implementation; see :func:`write_entries` for the contract."""
     _check(k_buf, v_buf, score_buf, slots, score_slots, k, v, scores)
     n, heads, head_dim = k.shape
     if n == 0:
         return
     given = scores if scores is not None else score_buf  # a valid pointer the kernel never reads
-    _store_entries_kernel[(n, heads)](
+    _write_entries_kernel[(n, heads)](
         k_buf,
         v_buf,
         score_buf,
@@ -128,7 +128,7 @@ def store_entries_triton(
     )
 
 
-def store_entries_torch(
+def write_entries_torch(
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
     score_buf: torch.Tensor,
@@ -145,7 +145,7 @@ def store_entries_torch(
     score_buf[score_slots] = 0.0 if scores is None else scores.to(score_buf.dtype)
 
 
-def store_entries(
+def write_entries(
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
     score_buf: torch.Tensor,
@@ -166,5 +166,5 @@ def store_entries(
         k, v: [N, H_kv, D]; scores: [N, H_kv] or None.
         backend: "auto" (Triton on CUDA), "triton" or "torch".
     """
-    impl = store_entries_triton if use_triton(backend, k_buf, v_buf, score_buf, slots, k) else store_entries_torch
+    impl = write_entries_triton if use_triton(backend, k_buf, v_buf, score_buf, slots, k) else write_entries_torch
     impl(k_buf, v_buf, score_buf, slots, score_slots, k, v, scores)
