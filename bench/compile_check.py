@@ -6,7 +6,8 @@
 
 Each kernel is driven through its own launch wrapper (`kernels.*_triton`), with small CPU tensors
 of a served shape (head dims 64 / 128 / 256, bf16 / fp16 / fp32, GQA groups 1 / 4 / 8, every
-score update and eviction width the product launches), so the constexprs, tile sizes and warps
+score update and eviction width the product launches; FP8 K/V buffers of both formats under
+bf16 queries), so the constexprs, tile sizes and warps
 are exactly those a GPU would get. Triton's launcher is turned into its warm-up (compile, never
 launch) under a stand-in driver that names the target (`GPUTarget("cuda", 90, 32)`); the Triton
 wheel's own `ptxas` builds the cubin and reports registers and spills; shared memory is Triton's
@@ -44,6 +45,8 @@ TRITON_36 = ROOT / ".venv" / "triton-3.6"
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = ("bfloat16", "float16", "float32")
+#: The KV cache formats of `--kv-cache-dtype fp8_e4m3 / fp8_e5m2`, under bfloat16 queries.
+FP8 = ("float8_e4m3fn", "float8_e5m2")
 GROUPS = (1, 4, 8)
 #: Decode evictions launch one row of budget + evict_page entries: the default budget, a small
 #: and a large one a request may ask for (the row is one register tile, its width a power of two).
@@ -63,10 +66,12 @@ class Case:
     dtype: str
     group: int = 1
     variant: str = ""  # extend: stats / no-stats; decode: its score update; evict: the row's entries
+    kv_dtype: str = ""  # the K/V buffers' dtype when it is not `dtype` (FP8)
 
     @property
     def label(self) -> str:
-        return f"{self.family} D={self.head_dim} {self.dtype} G={self.group} {self.variant}".rstrip()
+        kv = f" kv {self.kv_dtype}" if self.kv_dtype else ""
+        return f"{self.family} D={self.head_dim} {self.dtype}{kv} G={self.group} {self.variant}".rstrip()
 
 
 @dataclass
@@ -99,6 +104,12 @@ def cases() -> list[Case]:
             out.append(Case("decode", d, dtype, 4, "none"))
             out.append(Case("write", d, dtype))
             out.extend(Case("evict", d, dtype, 1, str(n)) for n in EVICT_ROWS)
+        for kv in FP8:
+            out.append(Case("extend", d, "bfloat16", 4, "stats", kv))
+            out.append(Case("window_scores", d, "bfloat16", 4, "", kv))
+            out.append(Case("decode", d, "bfloat16", 4, "add", kv))
+            out.append(Case("write", d, "bfloat16", 1, "", kv))
+            out.append(Case("evict", d, "bfloat16", 1, str(EVICT_ROWS[1]), kv))
     return out
 
 
@@ -165,9 +176,10 @@ def _launch(case: Case) -> None:
     from sglang_kvsparse import kernels
 
     dtype = getattr(torch, case.dtype)
+    kv_dtype = getattr(torch, case.kv_dtype or case.dtype)
     heads, d, g = 2, case.head_dim, case.group
     slots = 512
-    k_buf = torch.zeros(slots, heads, d, dtype=dtype)
+    k_buf = torch.zeros(slots, heads, d, dtype=kv_dtype)
     v_buf = torch.zeros_like(k_buf)
     scores = torch.zeros(slots * 4, heads, dtype=torch.float32)
     lens = [40, 24]
@@ -209,7 +221,7 @@ def _launch(case: Case) -> None:
         )
     elif case.family == "evict":
         n = int(case.variant)
-        k_big = torch.zeros(2 * n, heads, d, dtype=dtype)
+        k_big = torch.zeros(2 * n, heads, d, dtype=kv_dtype)
         table = torch.arange(2 * n, dtype=torch.int64).view(1, 2, n)
         kernels.evict_rows_triton(
             k_big,
@@ -411,8 +423,9 @@ def markdown(report: dict[str, Any]) -> str:
     for r in first:
         c, key = r["case"], (_case_label(r), r["kernel"])
         cells = [_resource_cells(r)] + [_resource_cells(other.get(key)) for other in others]
+        dtype = c["dtype"] + (f", K/V {c['kv_dtype']}" if c.get("kv_dtype") else "")
         lines.append(
-            f"| {r['kernel'] or '—'} | {c['family']} | {c['head_dim']} | {c['dtype']} | {c['group']} |"
+            f"| {r['kernel'] or '—'} | {c['family']} | {c['head_dim']} | {dtype} | {c['group']} |"
             f" {c['variant']} | {' | '.join(cells)} | {_dash(r['shared_bytes'])} | {_dash(r['num_warps'])} |"
         )
     return "\n".join(lines)

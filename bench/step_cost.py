@@ -47,8 +47,9 @@ from common.report import ReportPaths, provenance, write_json  # noqa: E402
 from sglang_kvsparse import kernels  # noqa: E402
 from sglang_kvsparse.config import PRESETS, SparsityConfig  # noqa: E402
 from sglang_kvsparse.forward.decode_graph import DecodeBuffers  # noqa: E402
+from sglang_kvsparse.forward.eviction import evict_planned  # noqa: E402
 from sglang_kvsparse.forward.planning import plan_decode, plan_extend  # noqa: E402
-from sglang_kvsparse.forward.sparse_attention import evict_planned, sparse_decode  # noqa: E402
+from sglang_kvsparse.forward.sparse_attention import sparse_decode  # noqa: E402
 from sglang_kvsparse.patches.allocator import attach, make_heap  # noqa: E402
 from sglang_kvsparse.policies.sentences import SentenceMarks  # noqa: E402
 from sglang_kvsparse.state.admission import rows_for_next_decode  # noqa: E402

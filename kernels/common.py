@@ -43,6 +43,18 @@ def use_triton(backend: Backend, *tensors: torch.Tensor) -> bool:
     raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'triton' or 'torch'")
 
 
+#: The FP8 formats SGLang names for its KV cache (`--kv-cache-dtype fp8_e4m3 / fp8_e5m2`).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as a KV buffer of ``dtype`` keeps it: divided by the layer's scale in float32, then
+    cast (round to nearest even, as SGLang's pool writes). A plain cast at scale 1."""
+    if scale == 1.0:
+        return x.to(dtype)
+    return (x.to(torch.float32) / scale).to(dtype)
+
+
 def upcast_dots(dtype: torch.dtype) -> bool:
     """bf16 ``tl.dot`` is wrong in the interpreter (triton issue #11584): upcast there only."""
     return dtype == torch.bfloat16 and interpreting()

@@ -77,6 +77,7 @@ def _decode_partial_kernel(
     kv_lens,
     kv_indices,
     qk_scale,
+    v_scale,
     stride_ib,
     stride_in,
     stride_qb,
@@ -144,7 +145,9 @@ def _decode_partial_kernel(
         if UPCAST:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # log2 units
+        kt = kt.to(q.dtype)  # FP8 K/V dequantized in registers (the scales are applied after the dots)
+        v = v.to(q.dtype)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # log2 units, the K scale folded in
         s = tl.where(n_ok[None, :], s, float("-inf"))
         if SAVE_LOGITS:
             tl.store(
@@ -160,7 +163,7 @@ def _decode_partial_kernel(
         m_i = m_new
 
     nonempty = l_i > 0.0
-    part_o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    part_o = acc * (v_scale / tl.where(nonempty, l_i, 1.0))[:, None]
     part_lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     tl.store(
         MID_O + req * stride_mob + head[:, None] * stride_moh + split * stride_mos + offs_d[None, :],
@@ -277,6 +280,8 @@ def decode_attention_with_scores_triton(
     num_kv_splits: int = 8,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton implementation; see :func:`decode_attention_with_scores` for the contract."""
     if num_kv_splits < 1:
@@ -307,7 +312,8 @@ def decode_attention_with_scores_triton(
         logits,
         kv_lens,
         kv_indices,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E * k_scale,
+        v_scale,
         kv_indices.stride(0),
         kv_indices.stride(1),
         q.stride(0),
@@ -383,6 +389,8 @@ def decode_attention_with_scores_torch(
     num_kv_splits: int = 8,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Plain-torch reference in at least float32, the whole batch at once over the padded rows
     (masked past each length), so it never asks the host for a length: the CPU server's decode
@@ -414,12 +422,13 @@ def decode_attention_with_scores_torch(
         logits = torch.matmul(qb, k.permute(0, 2, 3, 1))
     else:
         logits = torch.stack([torch.bmm(qb[:, h], k[:, :, h].transpose(1, 2)) for h in range(heads)], 1)
-    probs = torch.softmax(logits.mul_(sm_scale).masked_fill_(padding, float("-inf")), dim=-1)
+    probs = torch.softmax(logits.mul_(sm_scale * k_scale).masked_fill_(padding, float("-inf")), dim=-1)
     probs.masked_fill_(padding, 0.0)  # a request with no keys (an all -inf row): zero output
     if few:
-        out.copy_(torch.matmul(probs, v.transpose(1, 2)))
+        values = torch.matmul(probs, v.transpose(1, 2))
     else:
-        out.copy_(torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in range(heads)], 1))
+        values = torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in range(heads)], 1)
+    out.copy_(values if v_scale == 1.0 else values * v_scale)
     if score_update == "none":
         return o
     mass = probs.sum(dim=2).transpose(1, 2).reshape(batch * width, heads)  # [B * W, H_kv]
@@ -448,12 +457,16 @@ def decode_attention_with_scores(
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
     backend: Backend = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One decode step of attention that also updates each key's score with its probability.
 
     Args:
         q: [B, H_q, D], one query token per request; H_q = G * H_kv.
-        k_buf, v_buf: [num_slots, H_kv, D] pool buffers of one layer.
+        k_buf, v_buf: [num_slots, H_kv, D] pool buffers of one layer, in q's dtype or FP8
+            (`FP8_DTYPES`: dequantized in registers, the key times `k_scale`, the value times
+            `v_scale`, as the layer's pool scales them).
         kv_lens: int32/int64 [B] keys per request.
         kv_indices: int32/int64 [B, W] (any strides): row b's first kv_lens[b] entries are the
             slots of request b's keys (no mask: every one is visible); entries past the length
@@ -491,6 +504,8 @@ def decode_attention_with_scores(
         num_kv_splits=num_kv_splits,
         out=out,
         config=config,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    FP8_DTYPES,
     LOG2E,
     Backend,
     check_group,
@@ -38,16 +39,18 @@ class ExtendConfig:
     num_stages: int = 1
 
 
-def default_extend_config(head_dim: int, dtype: torch.dtype) -> ExtendConfig:
+def default_extend_config(head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> ExtendConfig:
     """Large tiles in the interpreter (its cost scales with program count x loop steps). On a
     GPU, tiles that compile for sm_90 without spilling (`bench/compile_check.py`): float32's IEEE
     dots run on the FMA units with every operand in registers, so they take small tiles; head dim
-    256 halves the key block."""
+    256 halves the key block, and with FP8 K/V (dequantized in registers) the query block too."""
     if interpreting():
         return ExtendConfig(block_rows=128, block_n=128, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return ExtendConfig(block_rows=16, block_n=16, num_warps=4)
-    return ExtendConfig(block_rows=128, block_n=32 if head_dim > 128 else 64, num_warps=4 if head_dim <= 64 else 8)
+    if head_dim > 128:
+        return ExtendConfig(block_rows=64 if kv_dtype in FP8_DTYPES else 128, block_n=32, num_warps=8)
+    return ExtendConfig(block_rows=128, block_n=64, num_warps=4 if head_dim <= 64 else 8)
 
 
 @triton.jit
@@ -106,7 +109,9 @@ def _attend_block(
     if UPCAST:
         kt = kt.to(tl.float32)
         v = v.to(tl.float32)
-    s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale
+    kt = kt.to(q.dtype)  # FP8 K/V dequantized in registers (the scales are applied outside the dots)
+    v = v.to(q.dtype)
+    s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # the K scale folded in
     if MASKED:
         s = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -128,6 +133,7 @@ def _extend_fwd_kernel(
     kv_indptr,
     kv_indices,
     qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -240,7 +246,7 @@ def _extend_fwd_kernel(
         )
 
     l_safe = tl.where(row_ok, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    out = acc * (v_scale / l_safe)[:, None]
     tl.store(
         Out + row_t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
         out.to(Out.dtype.element_ty),
@@ -276,11 +282,13 @@ def extend_attention_with_stats_triton(
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
     config: ExtendConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton implementation; see :func:`extend_attention_with_stats` for the contract."""
     group = check_group(q.shape[1], k_buf.shape[1])
     head_dim = q.shape[2]
-    cfg = config or default_extend_config(head_dim, q.dtype)
+    cfg = config or default_extend_config(head_dim, q.dtype, k_buf.dtype)
     if cfg.block_rows < group:
         raise ValueError(f"block_rows={cfg.block_rows} is smaller than the GQA group {group}")
     o, lse = _outputs(q, with_stats, out, lse_out)
@@ -300,7 +308,8 @@ def extend_attention_with_stats_triton(
         qo_indptr,
         kv_indptr,
         kv_indices,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E * k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         k_buf.stride(0),
@@ -339,6 +348,8 @@ def extend_attention_with_stats_torch(
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
     config: ExtendConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Plain-torch reference, one request at a time, computed in at least float32; on the CPU
     through PyTorch's flash attention (`_cpu_flash_attention`), elsewhere from the score matrix.
@@ -362,8 +373,8 @@ def extend_attention_with_stats_torch(
         pos = kv_len - q_len + torch.arange(q_len, device=q.device)
         visible = torch.arange(kv_len, device=q.device)[None, :] <= pos[:, None]  # [T, L]
         attend = _cpu_flash_attention if q.device.type == "cpu" else _explicit_attention
-        ob, row_lse = attend(qb, k, v, visible, sm_scale, group)
-        o[qo[b] : qo[b + 1]] = ob.to(o.dtype)
+        ob, row_lse = attend(qb, k, v, visible, sm_scale * k_scale, group)
+        o[qo[b] : qo[b + 1]] = (ob if v_scale == 1.0 else ob * v_scale).to(o.dtype)
         if lse is not None:
             lse[qo[b] : qo[b + 1]] = row_lse.to(lse.dtype)
     return o, lse
@@ -419,12 +430,16 @@ def extend_attention_with_stats(
     lse_out: torch.Tensor | None = None,
     config: ExtendConfig | None = None,
     backend: Backend = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention of a ragged batch of new query tokens over their requests' pooled keys.
 
     Args:
         q: [num_q_tokens, H_q, D], fp16/bf16/fp32; H_q = G * H_kv, query head h reads KV head h // G.
-        k_buf, v_buf: [num_slots, H_kv, D] pool buffers of one layer (new tokens already written).
+        k_buf, v_buf: [num_slots, H_kv, D] pool buffers of one layer (new tokens already written),
+            in q's dtype or FP8 (dequantized in registers: keys times `k_scale`, values times
+            `v_scale`, as the layer's pool scales them).
         qo_indptr: int32 [B+1]; request b's queries are q[qo_indptr[b]:qo_indptr[b+1]].
         kv_indptr: int32 [B+1]; kv_indices: int32/int64 slot ids of each request's keys in order.
         sm_scale: logit scale (usually D ** -0.5).
@@ -456,4 +471,6 @@ def extend_attention_with_stats(
         out=out,
         lse_out=lse_out,
         config=config,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )

@@ -107,6 +107,8 @@ def _window_scores_kernel(
     )
     if UPCAST:
         k = k.to(tl.float32)
+    else:
+        k = k.to(Q.dtype.element_ty)  # FP8 keys dequantized in registers (the scale is in qk_scale)
 
     offs_r = tl.arange(0, BLOCK_R)
     head = kv_head * GROUP + offs_r % GROUP
@@ -159,6 +161,7 @@ def window_scores_triton(
     max_kv_len: int | None = None,
     out: torch.Tensor | None = None,
     config: WindowScoreConfig | None = None,
+    k_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton implementation; see :func:`window_scores` for the contract."""
     check_window(window)
@@ -183,7 +186,7 @@ def window_scores_triton(
         kv_indptr,
         kv_indices,
         window,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E * k_scale,
         q.stride(0),
         q.stride(1),
         k_buf.stride(0),
@@ -222,6 +225,7 @@ def window_scores_torch(
     max_kv_len: int | None = None,
     out: torch.Tensor | None = None,
     config: WindowScoreConfig | None = None,
+    k_scale: float = 1.0,
 ) -> torch.Tensor:
     """Plain-torch reference, one request and `REFERENCE_ROWS` observed queries at a time (so
     a policy that observes every query, H2O, holds [rows, heads, keys] at most), in at least
@@ -247,10 +251,10 @@ def window_scores_torch(
             rows = slice(qo[b + 1] - observed + first, qo[b + 1] - observed + first + count)
             qw = q[rows].to(acc_dtype).unflatten(1, (k.shape[1], group))  # [W, H_kv, G, D]
             lw = lse[rows].to(acc_dtype).unflatten(1, (k.shape[1], group))  # [W, H_kv, G]
-            probs = torch.exp(torch.einsum("whgd,nhd->whgn", qw, k) * sm_scale - lw[..., None])
+            logits = torch.einsum("whgd,nhd->whgn", qw, k) * (sm_scale * k_scale) - lw[..., None]
             pos = kv_len - observed + first + torch.arange(count, device=q.device)
-            weight = (keys[None, :] <= pos[:, None]).to(acc_dtype)  # [W, L] causal
-            total += (probs * weight[:, None, None, :]).sum(dim=(0, 2))
+            hidden = (keys[None, :] > pos[:, None])[:, None, None, :]  # [W, 1, 1, L]: causally after the query
+            total += torch.exp(logits.masked_fill(hidden, float("-inf"))).sum(dim=(0, 2))
         scores[kv[b] : kv[b + 1]] = total.T.to(scores.dtype)
     return scores
 
@@ -269,11 +273,12 @@ def window_scores(
     out: torch.Tensor | None = None,
     config: WindowScoreConfig | None = None,
     backend: Backend = "auto",
+    k_scale: float = 1.0,
 ) -> torch.Tensor:
     """Score every key of every request by the attention its observation window paid to it.
 
     Args:
-        q, k_buf, qo_indptr, kv_indptr, kv_indices, sm_scale: as for extend attention.
+        q, k_buf, qo_indptr, kv_indptr, kv_indices, sm_scale, k_scale: as for extend attention.
         lse: [num_q_tokens, H_q] float32 natural-log LSE from :func:`extend_attention_with_stats`.
         window: observation window size alpha (>= 1); request b uses its last min(alpha, q_len_b)
             new queries.
@@ -297,4 +302,5 @@ def window_scores(
         max_kv_len=max_kv_len,
         out=out,
         config=config,
+        k_scale=k_scale,
     )

@@ -4,7 +4,9 @@ Each request of a decode step appends one entry per sparse layer: its key and va
 entry's row of the layer's lane and its first score (the policy's `new_key_scores`, zero for the
 attention-based ones) to the entry's score slot. As plain torch that is four launches per layer
 (two K/V scatters, a zero fill and a score scatter); this kernel does it in one, which matters
-where the layers run eagerly (no captured graph) and the host pays for every launch.
+where the layers run eagerly (no captured graph) and the host pays for every launch. Into FP8
+buffers the K/V are quantized on the way (divided by the layer's scales in float32, rounded to
+nearest even), as SGLang's pool writes them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Backend, use_triton
+from .common import FP8_DTYPES, Backend, interpreting, quantize, use_triton
 
 
 @triton.jit
@@ -26,6 +28,8 @@ def _write_entries_kernel(
     S_new,
     slots,
     score_slots,
+    k_scale,
+    v_scale,
     stride_kb,
     stride_kh,
     stride_vb,
@@ -49,9 +53,9 @@ def _write_entries_kernel(
     score_slot = tl.load(score_slots + b).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    k = tl.load(K_new + b * stride_kn + h * stride_khn + offs_d, mask=d_ok)
+    k = tl.load(K_new + b * stride_kn + h * stride_khn + offs_d, mask=d_ok).to(tl.float32) / k_scale
     tl.store(K_buf + slot * stride_kb + h * stride_kh + offs_d, k.to(K_buf.dtype.element_ty), mask=d_ok)
-    v = tl.load(V_new + b * stride_vn + h * stride_vhn + offs_d, mask=d_ok)
+    v = tl.load(V_new + b * stride_vn + h * stride_vhn + offs_d, mask=d_ok).to(tl.float32) / v_scale
     tl.store(V_buf + slot * stride_vb + h * stride_vh + offs_d, v.to(V_buf.dtype.element_ty), mask=d_ok)
     if HAS_SCORES:
         score = tl.load(S_new + b * stride_sn + h * stride_shn)
@@ -93,12 +97,18 @@ def write_entries_triton(
     k: torch.Tensor,
     v: torch.Tensor,
     scores: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Triton implementation; see :func:`write_entries` for the contract."""
     _check(k_buf, v_buf, score_buf, slots, score_slots, k, v, scores)
     n, heads, head_dim = k.shape
     if n == 0:
         return
+    if interpreting() and k_buf.dtype in FP8_DTYPES:
+        # The interpreter's float32 -> FP8 cast is not round-to-nearest (subnormals, some e5m2
+        # exponents): quantize as the reference does; the kernel then copies the FP8 values exactly.
+        k, v, k_scale, v_scale = quantize(k, k_buf.dtype, k_scale), quantize(v, v_buf.dtype, v_scale), 1.0, 1.0
     given = scores if scores is not None else score_buf  # a valid pointer the kernel never reads
     _write_entries_kernel[(n, heads)](
         k_buf,
@@ -109,6 +119,8 @@ def write_entries_triton(
         given,
         slots,
         score_slots,
+        k_scale,
+        v_scale,
         k_buf.stride(0),
         k_buf.stride(1),
         v_buf.stride(0),
@@ -137,11 +149,13 @@ def write_entries_torch(
     k: torch.Tensor,
     v: torch.Tensor,
     scores: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Plain-torch reference."""
     _check(k_buf, v_buf, score_buf, slots, score_slots, k, v, scores)
-    k_buf[slots] = k.to(k_buf.dtype)
-    v_buf[slots] = v.to(v_buf.dtype)
+    k_buf[slots] = quantize(k, k_buf.dtype, k_scale)
+    v_buf[slots] = quantize(v, v_buf.dtype, v_scale)
     score_buf[score_slots] = 0.0 if scores is None else scores.to(score_buf.dtype)
 
 
@@ -156,9 +170,12 @@ def write_entries(
     scores: torch.Tensor | None = None,
     *,
     backend: Backend = "auto",
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """In place, for every new entry b: k_buf[slots[b]] = k[b], v_buf[slots[b]] = v[b] (cast to
-    the buffers' dtype) and score_buf[score_slots[b]] = scores[b] (zero when `scores` is None).
+    the buffers' dtype: into FP8 divided by `k_scale` / `v_scale` first, `common.quantize`) and
+    score_buf[score_slots[b]] = scores[b] (zero when `scores` is None).
 
     Args:
         k_buf, v_buf: [num_slots, H_kv, D]; score_buf: [num_score_slots, H_kv] float32.
@@ -167,4 +184,4 @@ def write_entries(
         backend: "auto" (Triton on CUDA), "triton" or "torch".
     """
     impl = write_entries_triton if use_triton(backend, k_buf, v_buf, score_buf, slots, k) else write_entries_torch
-    impl(k_buf, v_buf, score_buf, slots, score_slots, k, v, scores)
+    impl(k_buf, v_buf, score_buf, slots, score_slots, k, v, scores, k_scale=k_scale, v_scale=v_scale)

@@ -20,6 +20,7 @@ from typing import Any
 from sglang.srt.layers.attention import attention_registry
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from sglang_kvsparse.forward.sparse_attention import KVScales
 from sglang_kvsparse.forward.sparse_forward import SparseForward
 from sglang_kvsparse.server.backends import WRAPPED_BACKENDS
 from sglang_kvsparse.state.sparse_state import SparseState
@@ -142,18 +143,23 @@ class KVSparseBackend(AttentionBackend):
         if not self.state.layout.is_sparse(layer.layer_id):
             return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        o = self.sparse.extend(q3, k, v, layer.layer_id, layer.scaling, forward_batch.positions)
+        o = self.sparse.extend(q3, k, v, layer.layer_id, layer.scaling, forward_batch.positions, kv_scales(layer))
         return o.reshape(q3.shape[0], -1)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         if not self.state.layout.is_sparse(layer.layer_id):
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        o = self.sparse.decode(q3, k, v, layer.layer_id, layer.scaling, forward_batch.positions)
+        o = self.sparse.decode(q3, k, v, layer.layer_id, layer.scaling, forward_batch.positions, kv_scales(layer))
         return o.reshape(q3.shape[0], -1)
 
     def support_triton(self) -> bool:
         return self.inner.support_triton()
+
+
+def kv_scales(layer: Any) -> KVScales:
+    """The layer's FP8 KV scales (`RadixAttention.k_scale_float`, from the checkpoint; None: 1)."""
+    return KVScales(layer.k_scale_float or 1.0, layer.v_scale_float or 1.0)
 
 
 def graph_can_run(original: Callable[..., bool], runner: Any, forward_batch: Any) -> bool:

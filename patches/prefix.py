@@ -4,7 +4,7 @@ can serve.
 SGLang's tree caches every token a request held, decoded ones included, but a sparse layer can
 reuse only prompt tokens whose prefill K/V the prefix store still keeps
 (`sglang_kvsparse.state.prefix_store`), and the prefill must keep the observation window's queries to
-score as it would without the hit (`SparseState.reusable_prefix_len`). AROUND `match_kv_cache`
+score as it would without the hit when it selects (`SparseState.reusable_prefix_len`). AROUND `match_kv_cache`
 (the one place SGLang adopts a match as a request's prefix, for every scheduling policy): when the
 tree matched more than that, match again with SGLang's own `max_prefix_len` limit, so the tree
 splits its node there and the request's prefix, lock and `cached_tokens` are exactly what will be
@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import context, faults
+from .admission import setting
 
 
 def cap_match(
@@ -44,7 +45,9 @@ def cap_match(
     with faults.request_guard(req, "prefix match"):
         faults.inject("match", req)
         seq_len = len(req.origin_input_ids) + len(req.output_ids) if token_ids is None else len(token_ids)
-        usable = context.state().reusable_prefix_len(tree_cache.prefix_device_indices(req).to("cpu"), seq_len)
+        state = context.state()
+        prefix = tree_cache.prefix_device_indices(req).to("cpu")
+        usable = state.reusable_prefix_len(prefix, seq_len, setting(req).own_budget(state.resolved))
     if usable >= req.prefix_len:
         return result
     limit = usable if max_prefix_len is None else min(usable, max_prefix_len)

@@ -5,7 +5,7 @@ must live in buffers allocated before capture and be updated in place before eac
 group of sparse columns, `DecodeBuffers` holds the decode tables (`plans.DecodeTables`) of up
 to `max_bs` requests at the group's widest row (at the largest budget a request may ask for).
 Before a replay, the step's plan is built as for an eager step (`planning.plan_decode`), its
-evictions run (`sparse_attention.evict_planned`: their shapes vary, so they stay outside the
+evictions run (`eviction.evict_planned`: their shapes vary, so they stay outside the
 graph), and `fill` copies its tables into the buffers; rows of the captured batch past the real
 ones get no keys (a zero output) and store their token in the padding row. Every request is
 scored by the server's policy there (a request's own policy needs the eager step, `sparse_decode`).

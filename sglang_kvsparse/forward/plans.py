@@ -17,7 +17,7 @@ class Eviction:
     """The decode evictions of one group's requests that keep the same `budget` by the same
     `policy` (None: the server's), in every column of the group at once: `slots` [columns, N,
     n_old] their old rows, in position order, `score_slots` their score slots; the forward keeps
-    `budget` of each request's in its first `budget` rows (`sparse_attention.evict_planned`)."""
+    `budget` of each request's in its first `budget` rows (`eviction.evict_planned`)."""
 
     group: int
     budget: int

@@ -8,19 +8,29 @@ references on the CPU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from sglang_kvsparse import kernels
 from sglang_kvsparse.forward.guide import PrefillGuide
-from sglang_kvsparse.forward.planning import plan_decode
-from sglang_kvsparse.forward.plans import ColumnPlan, Eviction, ForwardPlan, MixedPlan, PolicyGroup
-from sglang_kvsparse.kernels.common import positions_in_segment, segment_ids
+from sglang_kvsparse.forward.plans import ColumnPlan, ForwardPlan, MixedPlan, PolicyGroup
+from sglang_kvsparse.kernels.common import FP8_DTYPES, positions_in_segment, quantize, segment_ids
 from sglang_kvsparse.policies import PrefillScoringInputs, ScoringPolicy
-from sglang_kvsparse.state.layout import GroupSpec, HeapLayout, LayerPlace
+from sglang_kvsparse.state.layout import LayerPlace
 from sglang_kvsparse.state.sparse_group import LaneBuffers
-from sglang_kvsparse.state.sparse_state import SparseState
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """A layer's K and V scales in an FP8 KV cache (SGLang's `k_scale` / `v_scale`: a stored
+    value times its scale is the real one; 1 without checkpoint scales)."""
+
+    k: float = 1.0
+    v: float = 1.0
+
+
+UNIT_SCALES = KVScales()
 
 
 def sparse_extend(
@@ -34,6 +44,7 @@ def sparse_extend(
     policy: ScoringPolicy,
     layer_id: int = -1,
     guide: PrefillGuide | None = None,
+    scales: KVScales = UNIT_SCALES,
 ) -> torch.Tensor:
     """Prefill: attend over each request's whole sequence, then store what is kept.
 
@@ -52,7 +63,13 @@ def sparse_extend(
     Either way the prefix was read, not written: the row gets copies. The new tokens' K/V also go
     to their store slots, for later requests that share this prompt; a chunk before its
     prompt's last is only stored (`plan.keeps`). Returns [T, H_q, D].
+
+    Into an FP8 lane the new tokens' K/V are quantized first (`scales`), and the attention, the
+    scores and every copy read those quantized values, as a layer of SGLang's own FP8 pool reads
+    back what it wrote.
     """
+    if buffers.k.dtype in FP8_DTYPES:
+        k, v = quantize(k, buffers.k.dtype, scales.k), quantize(v, buffers.v.dtype, scales.v)
     k_all, v_all, kv_indptr = sequence_kv(k, v, plan, column, buffers)
     positions = torch.arange(k_all.shape[0], device=k.device, dtype=torch.int64)
     guiding = guide is not None and guide.guides(layer_id)
@@ -61,7 +78,16 @@ def sparse_extend(
     # no scores of its own (nor the softmax statistics) when the guide chooses for every request.
     scoring = guiding or (column.compress and (guided is None or not bool(guided.all())))
     o, lse = kernels.extend_attention_with_stats(
-        q, k_all, v_all, plan.qo_indptr, kv_indptr, positions, sm_scale, with_stats=scoring
+        q,
+        k_all,
+        v_all,
+        plan.qo_indptr,
+        kv_indptr,
+        positions,
+        sm_scale,
+        with_stats=scoring,
+        k_scale=scales.k,
+        v_scale=scales.v,
     )
     if column.store_slots is not None and column.store_slots.numel():
         _write(buffers, column.store_slots, k[plan.store_positions], v[plan.store_positions])
@@ -79,6 +105,7 @@ def sparse_extend(
             plan.window,
             plan.sink,
             plan.sentence_ends,
+            scales.k,
         )
         for group in policy_groups(plan, policy):
             mine = group.policy.score(inputs)  # of the whole batch: a batch mixes policies rarely
@@ -86,7 +113,7 @@ def sparse_extend(
     if guiding:
         guide.add(layer_id, scores)
     if not column.compress:
-        _keep_all(k_all, v_all, kv_indptr, requests, plan, column, buffers, policy)
+        _keep_all(k_all, v_all, kv_indptr, requests, plan, column, buffers, policy, scales.k)
     elif guided is None or not bool(guided.any()):
         _keep(k_all, v_all, kv_indptr, scores, plan, column, buffers)
     else:
@@ -98,8 +125,8 @@ def sparse_extend(
 
         def keep_by_guide(guide_scores: torch.Tensor) -> None:
             k_new, v_new = torch.zeros_like(k), torch.zeros_like(v)
-            k_new[plan.work_positions] = buffers.k[column.work_slots].to(k.dtype)
-            v_new[plan.work_positions] = buffers.v[column.work_slots].to(v.dtype)
+            _set_rows(k_new, plan.work_positions, _rows(buffers.k, column.work_slots).to(k.dtype))
+            _set_rows(v_new, plan.work_positions, _rows(buffers.v, column.work_slots).to(v.dtype))
             k_seq, v_seq, indptr = sequence_kv(k_new, v_new, plan, column, buffers)
             by = guide_scores[:, None].expand(-1, k.shape[1])
             _keep(k_seq, v_seq, indptr, by, plan, column, buffers, only=guided)
@@ -117,17 +144,21 @@ def _keep_all(
     column: ColumnPlan,
     buffers: LaneBuffers,
     policy: ScoringPolicy,
+    k_scale: float,
 ) -> None:
-    """Every request fits its budget: its entries are all stored, scored as decoded keys are,
-    so that later evictions compare them in the policy's units."""
+    """Every request fits its budget: its entries are all stored, scored as decoded keys are
+    (from the real keys: FP8 ones times `k_scale`), so that later evictions compare them in the
+    policy's units."""
     in_sequence = positions_in_segment(kv_indptr, k_all.shape[0])
     if plan.kept_positions is not None:
-        k_all, v_all = k_all[plan.kept_positions], v_all[plan.kept_positions]
+        k_all, v_all = _rows(k_all, plan.kept_positions), _rows(v_all, plan.kept_positions)
         in_sequence, requests = in_sequence[plan.kept_positions], requests[plan.kept_positions]
     _write(buffers, column.new_slots, k_all, v_all)
     for group in policy_groups(plan, policy):
         keys = slice(None) if group.mask is None else group.mask[requests]
-        first = group.policy.new_key_scores(k_all[keys], in_sequence[keys])
+        mine = _rows(k_all, keys)
+        real = mine.to(torch.float32) * k_scale if mine.dtype in FP8_DTYPES else mine
+        first = group.policy.new_key_scores(real, in_sequence[keys])
         buffers.scores[column.new_score_slots[keys]] = 0.0 if first is None else first
 
 
@@ -157,8 +188,8 @@ def _keep(
     src = kept_sources(kept, kept_lens, kv_indptr)
     heads = torch.arange(k_all.shape[1], device=k_all.device)[None, :]
     dst = slots[:, None]
-    buffers.k[dst, heads] = k_all[src, heads].to(buffers.k.dtype)
-    buffers.v[dst, heads] = v_all[src, heads].to(buffers.v.dtype)
+    _set_rows(buffers.k, (dst, heads), _rows(k_all, (src, heads)).to(buffers.k.dtype))
+    _set_rows(buffers.v, (dst, heads), _rows(v_all, (src, heads)).to(buffers.v.dtype))
     buffers.scores[score_slots[:, None], heads] = scores[src, heads]
 
 
@@ -178,10 +209,10 @@ def sequence_kv(
     total = plan.prefix_positions.numel() + k.shape[0]
     k_all = k.new_empty((total, *k.shape[1:]))
     v_all = v.new_empty((total, *v.shape[1:]))
-    k_all[plan.new_positions] = k
-    v_all[plan.new_positions] = v
-    k_all[plan.prefix_positions] = buffers.k[column.prefix_slots].to(k.dtype)
-    v_all[plan.prefix_positions] = buffers.v[column.prefix_slots].to(v.dtype)
+    _set_rows(k_all, plan.new_positions, k)
+    _set_rows(v_all, plan.new_positions, v)
+    _set_rows(k_all, plan.prefix_positions, _rows(buffers.k, column.prefix_slots).to(k.dtype))
+    _set_rows(v_all, plan.prefix_positions, _rows(buffers.v, column.prefix_slots).to(v.dtype))
     return k_all, v_all, plan.kv_indptr
 
 
@@ -208,9 +239,11 @@ def sparse_decode(
     buffers: LaneBuffers,
     policy: ScoringPolicy,
     positions: torch.Tensor,
+    scales: KVScales = UNIT_SCALES,
 ) -> torch.Tensor:
     """One decode step: store the new token, attend over the kept slots (`evict_planned` has
-    run this step's evictions).
+    run this step's evictions). Into an FP8 lane the new K/V are quantized by `scales`, which
+    the attention applies when it reads.
 
     `q` is [B, H_q, D], `k`/`v` [B, H_kv, D], `positions` [B] the new tokens' positions in their
     sequences. The new key's K/V and first score (the policy's `new_key_scores`) are stored in
@@ -231,12 +264,14 @@ def sparse_decode(
         k,
         v,
         _first_scores(groups, k, positions),
+        k_scale=scales.k,
+        v_scale=scales.v,
     )
     if len({group.policy.score_update for group in groups}) == 1:
-        return _decode(q, column, buffers, sm_scale, groups[0].policy, slice(None))
+        return _decode(q, column, buffers, sm_scale, groups[0].policy, slice(None), scales)
     out = torch.empty_like(q)
     for group in groups:
-        out[group.members] = _decode(q, column, buffers, sm_scale, group.policy, group.members)
+        out[group.members] = _decode(q, column, buffers, sm_scale, group.policy, group.members, scales)
     return out
 
 
@@ -259,8 +294,9 @@ def _decode(
     sm_scale: float,
     policy: ScoringPolicy,
     members: slice | torch.Tensor,
+    scales: KVScales,
 ) -> torch.Tensor:
-    """The decode kernel over the batch's `members` (positions in the batch), updating scores as
+    """The decode kernel over the batch's `members` (indices in the batch), updating scores as
     `policy` says."""
     return kernels.decode_attention_with_scores(
         q[members],
@@ -272,55 +308,9 @@ def _decode(
         sm_scale,
         score_indices=column.score_indices[members],
         score_update=policy.score_update,
+        k_scale=scales.k,
+        v_scale=scales.v,
     )
-
-
-def prepare_decode(state: SparseState, req_indices: Sequence[int], device: torch.device | str) -> ForwardPlan:
-    """A decode step's plan (`planning.plan_decode`, from the host tables), its evictions already
-    run in every sparse layer: what the backend does once per step, before the layers."""
-    plan = plan_decode(state, req_indices, device)
-    evict_planned(plan, state.layout, state.lanes, state.policy)
-    return plan
-
-
-def evict_planned(plan: ForwardPlan, layout: HeapLayout, lanes: Sequence[LaneBuffers], policy: ScoringPolicy) -> None:
-    """Run a decode plan's evictions in every sparse layer, before any layer of the step runs:
-    each layer's eviction reads only its own lane's old entries and the scores earlier steps
-    accumulated, so doing them all first is what doing each one at its layer would be. Each
-    `Eviction` covers every layer of its group at once (`evict_group`), so a step issues a few
-    launches per (group, budget, policy) among its evicting requests, whatever the numbers of
-    layers and requests; and the step's only variable-shaped work stays out of a captured
-    decode graph."""
-    for eviction in plan.evictions:
-        spec = layout.groups[eviction.group]
-        evict_group(lanes, spec, eviction, plan.sink, plan.window, eviction.policy or policy)
-
-
-def evict_group(
-    lanes: Sequence[LaneBuffers], spec: GroupSpec, eviction: Eviction, sink: int, window: int, policy: ScoringPolicy
-) -> None:
-    """Keep, per request, layer and KV head, the first `sink`, the last `window` and the
-    best-ranked rest of its old entries (`eviction.slots` [columns, N, n_old], position order;
-    their scores at `eviction.score_slots`, ranked by the policy's `eviction_scores`), up to the
-    budget, moved in position order into its first `budget` entries (K, V and stored scores, in
-    place). The old scores of every layer of the group are gathered and ranked together; then
-    each lane selects and moves its layers' entries in one launch (`kernels.evict_rows`)."""
-    _, rows, n_old = eviction.slots.shape
-    on_lane = [(lane, spec.columns_on_lane(lane)) for lane in range(len(lanes))]
-    on_lane = [(lane, count) for lane, count in on_lane if count]
-    gathered = [lanes[lane].scores[eviction.score_slots[:count]] for lane, count in on_lane]  # [count, N, n_old, H]
-    scores = torch.cat(gathered) if len(gathered) > 1 else gathered[0]
-    layers, heads = scores.shape[0], scores.shape[-1]
-    ranked = policy.eviction_scores(scores.view(layers * rows, n_old, heads))
-    first = 0
-    for lane, count in on_lane:
-        buffers = lanes[lane]
-        mine = ranked[first * rows : (first + count) * rows]
-        first += count
-        slots, score_slots = eviction.slots[:count], eviction.score_slots[:count]
-        kernels.evict_rows(
-            buffers.k, buffers.v, buffers.scores, mine, slots, score_slots, eviction.budget, sink, window
-        )
 
 
 def sparse_mixed(
@@ -335,20 +325,37 @@ def sparse_mixed(
     positions: torch.Tensor,
     layer_id: int = -1,
     guide: PrefillGuide | None = None,
+    scales: KVScales = UNIT_SCALES,
 ) -> torch.Tensor:
     """A mixed forward: `sparse_extend` for the prefill's tokens, then `sparse_decode` for the
     decoding rows' (one each); [T, H_q, D] in the batch's order, as `positions` [T]."""
     n = plan.extend_tokens
     prefill, decode = plan.extend, plan.decode
     column = prefill.column(place)
-    o_extend = sparse_extend(q[:n], k[:n], v[:n], sm_scale, prefill, column, buffers, policy, layer_id, guide)
+    o_extend = sparse_extend(q[:n], k[:n], v[:n], sm_scale, prefill, column, buffers, policy, layer_id, guide, scales)
     o_decode = sparse_decode(
-        q[n:], k[n:], v[n:], sm_scale, decode, decode.column(place), buffers, policy, positions[n:]
+        q[n:], k[n:], v[n:], sm_scale, decode, decode.column(place), buffers, policy, positions[n:], scales
     )
     return torch.cat([o_extend, o_decode.view(-1, *o_extend.shape[1:])])
 
 
 def _write(buffers: LaneBuffers, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """K/V of new entries (their scores are the caller's: they live in slots of their own)."""
-    buffers.k[slots] = k.to(buffers.k.dtype)
-    buffers.v[slots] = v.to(buffers.v.dtype)
+    """K/V of new entries (their scores are the caller's: they live in slots of their own); into
+    an FP8 lane `k`/`v` come quantized (`sparse_extend`)."""
+    _set_rows(buffers.k, slots, k.to(buffers.k.dtype))
+    _set_rows(buffers.v, slots, v.to(buffers.v.dtype))
+
+
+def _rows(buffer: torch.Tensor, index: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """`buffer[index]`; FP8 through its bytes (not every CUDA indexing kernel takes FP8)."""
+    if buffer.dtype in FP8_DTYPES:
+        return buffer.view(torch.uint8)[index].view(buffer.dtype)
+    return buffer[index]
+
+
+def _set_rows(buffer: torch.Tensor, index: torch.Tensor | tuple[torch.Tensor, ...], values: torch.Tensor) -> None:
+    """`buffer[index] = values` (in `buffer`'s dtype); FP8 through its bytes, as `_rows`."""
+    if buffer.dtype in FP8_DTYPES:
+        buffer.view(torch.uint8)[index] = values.view(torch.uint8)
+    else:
+        buffer[index] = values

@@ -19,10 +19,11 @@ from dataclasses import replace
 import torch
 
 from sglang_kvsparse.forward.decode_graph import DecodeBuffers
+from sglang_kvsparse.forward.eviction import prepare_decode
 from sglang_kvsparse.forward.guide import PrefillGuide
 from sglang_kvsparse.forward.planning import plan_extend
 from sglang_kvsparse.forward.plans import ForwardPlan, MixedPlan
-from sglang_kvsparse.forward.sparse_attention import prepare_decode, sparse_decode, sparse_extend, sparse_mixed
+from sglang_kvsparse.forward.sparse_attention import UNIT_SCALES, KVScales, sparse_decode, sparse_extend, sparse_mixed
 from sglang_kvsparse.state.requests import Phase
 from sglang_kvsparse.state.sparse_state import SparseState
 
@@ -109,26 +110,41 @@ class SparseForward:
 
     # -- the layers ---------------------------------------------------------------------------
     def extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, sm_scale: float, positions: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        sm_scale: float,
+        positions: torch.Tensor,
+        scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor:
-        """One sparse layer of a prefill (or mixed) forward: q [T, H_q, D] -> [T, H_q, D]."""
+        """One sparse layer of a prefill (or mixed) forward: q [T, H_q, D] -> [T, H_q, D];
+        `scales`: the layer's, for an FP8 KV cache."""
         place = self.state.layout.layer_places[layer_id]
-        lane, policy = self.state.lanes[place.lane], self.state.policy
+        lane, policy, guide = self.state.lanes[place.lane], self.state.policy, self._guide
         if isinstance(self.plan, MixedPlan):
-            o = sparse_mixed(q, k, v, sm_scale, self.plan, place, lane, policy, positions, layer_id, self._guide)
+            o = sparse_mixed(q, k, v, sm_scale, self.plan, place, lane, policy, positions, layer_id, guide, scales)
         else:
             column = self.plan.column(place)
-            o = sparse_extend(q, k, v, sm_scale, self.plan, column, lane, policy, layer_id, self._guide)
+            o = sparse_extend(q, k, v, sm_scale, self.plan, column, lane, policy, layer_id, guide, scales)
         self._after_layer(layer_id)
         return o
 
     def decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, sm_scale: float, positions: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        sm_scale: float,
+        positions: torch.Tensor,
+        scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor:
         """One sparse layer of a decode step: q [B, H_q, D] -> [B, H_q, D]."""
         place = self.state.layout.layer_places[layer_id]
         lane, policy = self.state.lanes[place.lane], self.state.policy
-        o = sparse_decode(q, k, v, sm_scale, self.plan, self.plan.column(place), lane, policy, positions)
+        o = sparse_decode(q, k, v, sm_scale, self.plan, self.plan.column(place), lane, policy, positions, scales)
         self._after_layer(layer_id)
         return o
 

@@ -46,6 +46,7 @@ class PrefillScoringInputs:
     window: int  # observation window alpha
     sink: int  # the first keys every selection keeps (attention sinks)
     sentence_ends: torch.Tensor | None = None  # [total_kv] bool, aligned with kv_indices
+    k_scale: float = 1.0  # an FP8 `k_buf`'s scale: a stored key times it is the real one
 
     def attention_from_last(self, queries: int) -> torch.Tensor:
         """[total_kv, H_kv] float32: each key's attention from its request's last `queries` new
@@ -60,6 +61,7 @@ class PrefillScoringInputs:
             self.kv_indices,
             queries,
             self.sm_scale,
+            k_scale=self.k_scale,
         )
 
 

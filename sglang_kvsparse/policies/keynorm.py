@@ -26,7 +26,7 @@ class KeyNormPolicy(ScoringPolicy):
     score_update = "none"
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
-        return minus_key_norm(inputs.k_buf[inputs.kv_indices.long()])
+        return minus_key_norm(inputs.k_buf[inputs.kv_indices.long()]) * inputs.k_scale
 
     def new_key_scores(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return minus_key_norm(k)

@@ -11,8 +11,11 @@
    ``parallel_state`` module is imported, the groups it builds default to no PyNccl
    (`sglang_kvsparse.patches.cpu_parallel`), so their collectives fall back to
    ``torch.distributed`` (gloo).
+3. Stock SGLang refuses an FP8 KV cache on a CPU without Intel AMX; once its KV-cache modules
+   are imported, both FP8 formats take SGLang's plain FP8 pool, read by ``torch_native``
+   (`sglang_kvsparse.patches.cpu_fp8`): the CPU's FP8 reference.
 
-Both act only with the CPU engine requested (``SGLANG_USE_CPU_ENGINE=1``), for stock SGLang and the
+All three act only with the CPU engine requested (``SGLANG_USE_CPU_ENGINE=1``), for stock SGLang and the
 sparse server alike: they adapt SGLang to the machine, not to the sparse layers. The CPU setup
 registers this module in every Python process of the virtual environment through a ``.pth`` file,
 because SGLang spawns its scheduler processes and imports ``sgl_kernel`` before any plugin code
@@ -92,18 +95,20 @@ class _AfterImportLoader(importlib.abc.Loader):
         self.action(module)
 
 
-class _ParallelStateFinder(importlib.abc.MetaPathFinder):
-    """Finds SGLang's ``parallel_state`` through the other finders and patches it once loaded."""
+class _AfterImportFinder(importlib.abc.MetaPathFinder):
+    """Finds the SGLang modules of `AFTER_IMPORT` through the other finders and patches each
+    once it is loaded."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != PARALLEL_STATE or not cpu_engine_requested():
+        action = AFTER_IMPORT.get(fullname)
+        if action is None or not cpu_engine_requested():
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _AfterImportLoader(spec.loader, _patch_parallel_state)
+                spec.loader = _AfterImportLoader(spec.loader, action)
                 return spec
         return None
 
@@ -114,13 +119,27 @@ def _patch_parallel_state(module: types.ModuleType) -> None:
     default_no_pynccl(module)
 
 
+def _patch_fp8_check(module: types.ModuleType) -> None:
+    from sglang_kvsparse.patches.cpu_fp8 import plain_fp8_pool
+
+    plain_fp8_pool(module)
+
+
+#: SGLang module -> what to do to it once imported (with the CPU engine requested).
+AFTER_IMPORT: dict[str, Callable[[types.ModuleType], None]] = {
+    PARALLEL_STATE: _patch_parallel_state,
+    "sglang.srt.mem_cache.kv_cache_dtype": _patch_fp8_check,
+    "sglang.srt.mem_cache.kv_cache_configurator": _patch_fp8_check,
+}
+
+
 def install() -> None:
     """Put the finders on ``sys.meta_path`` once (idempotent): the stand-in last, the
-    ``parallel_state`` patch first."""
+    after-import patches first."""
     if not any(isinstance(finder, _StandInFinder) for finder in sys.meta_path):
         sys.meta_path.append(_StandInFinder())
-    if not any(isinstance(finder, _ParallelStateFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _ParallelStateFinder())
+    if not any(isinstance(finder, _AfterImportFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImportFinder())
 
 
 install()

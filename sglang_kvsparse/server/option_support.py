@@ -68,7 +68,11 @@ REFUSED: tuple[RefusedOption, ...] = (
         takes_value=True,
     ),
     RefusedOption(
-        "--kv-cache-dtype", "sparse layers keep K/V in the model's dtype", takes_value=True, unused=("auto",)
+        "--kv-cache-dtype",
+        "the sparse layers keep K/V in the model's dtype, bf16 or FP8 (fp8_e4m3, fp8_e5m2); block-scaled "
+        "formats keep per-block scales their kernels do not read",
+        takes_value=True,
+        unused=("auto", "fp8_e4m3", "fp8_e5m2", "bf16", "bfloat16"),
     ),
     RefusedOption("--enable-kv-cache-sharding", _LAYOUT),
     RefusedOption("--enable-page-major-kv-layout", _LAYOUT),

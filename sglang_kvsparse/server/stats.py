@@ -60,6 +60,10 @@ class HeapStats:
     evicting: int  # evicted rows given back once their forward has been issued
     releasing: int  # rows SGLang freed, on their way to the host (`released_ids.py`)
     groups: list[GroupStats]
+    #: What a row holds: K/V in `kv_dtype` (the KV cache's: the model's, or FP8), `row_bytes` of
+    #: them over every lane (a score row holds float32 scores in those same bytes).
+    kv_dtype: str = ""
+    row_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,9 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
     evicting = state.heap.deferred_rows()
     releasing = state.heap.released_rows()
     total = state.dense_capacity
+    lane = state.lanes[0]
+    bpt = kv_bytes_per_token(lane.k.shape[1], lane.k.shape[2], lane.k.element_size())
+    unit = row_bytes(layout, bpt)
     heap = HeapStats(
         rows_total=total,
         lanes=layout.lanes,
@@ -138,6 +145,8 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
         evicting=evicting,
         releasing=releasing,
         groups=group_stats,
+        kv_dtype=str(lane.k.dtype).removeprefix("torch."),
+        row_bytes=unit,
     )
     layers = []
     for layer in range(layout.num_layers):
@@ -148,10 +157,6 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
             group = group_stats[place.group]
             entries = (group.rows - group.score_rows) // group.columns
             layers.append(LayerStats(layer, "sparse", group.budget, entries, total))
-    lane = state.lanes[0]
-    num_kv_heads, head_dim = lane.k.shape[1], lane.k.shape[2]
-    bpt = kv_bytes_per_token(num_kv_heads, head_dim, lane.k.element_size())
-    unit = row_bytes(layout, bpt)
     dense = sum(dense_kv_bytes(int(n), layout.num_layers, bpt, page) for n in state.requests.length[running])
     return SparseStats(
         config=state.config.to_dict(),

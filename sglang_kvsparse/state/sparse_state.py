@@ -277,14 +277,17 @@ class SparseState:
             self.store.unpin_all()
 
     # -- the prefix store ----------------------------------------------------------------
-    def reusable_prefix_len(self, prefix_ids: torch.Tensor, seq_len: int) -> int:
-        """How much of a radix match of `prefix_ids` a prefill of `seq_len` tokens can reuse: the
-        leading ids with store entries, leaving the last `window` tokens (the queries the
-        policies score with) to the prefill, whole pages only. 0 without a store."""
+    def reusable_prefix_len(self, prefix_ids: torch.Tensor, seq_len: int, own_budget: int = 0) -> int:
+        """How much of a radix match of `prefix_ids` a prefill of `seq_len` tokens (at this own
+        budget; 0: the groups') can reuse: the leading ids with store entries, whole pages only,
+        leaving the last `window` tokens (the queries the policies score with) to a prefill that
+        selects; one that keeps every token in every group reuses the whole match, as stock
+        SGLang does. 0 without a store."""
         if self.store is None:
             return 0
         self.released.settle()  # adoptions that have landed
-        usable = max(min(self.store.valid_prefix_len(prefix_ids), seq_len - self.config.window), 0)
+        selects = any(seq_len > (own_budget or group.spec.budget) for group in self.groups)
+        usable = max(min(self.store.valid_prefix_len(prefix_ids), seq_len - (self.config.window if selects else 0)), 0)
         return usable - usable % self.page_size
 
     def pin_prefix(self, prefix_ids: torch.Tensor) -> None:

@@ -15,7 +15,11 @@ only those the collected tests ask for (CI's tier needs five, and seven do not s
 - "stock": stock SGLang;
 - "options" and "options_stock": the lossless sparse server and stock SGLang, both with the SGLang
   options that change pages, admission and the radix tree's order (`OPTION_ARGS`,
-  `option_support.SERVED`).
+  `option_support.SERVED`);
+- "fp8_sparse", "fp8_evicting" and "fp8_stock" (and "e5m2_sparse", "e5m2_stock"): the lossless and
+  the evicting servers and stock SGLang with an FP8 KV cache (`--kv-cache-dtype fp8_e4m3`, or
+  fp8_e5m2), stock's through the CPU's FP8 reference (`patches/cpu_fp8.py`). They run in a pytest
+  session of their own (`make test-e2e`), beside no other server.
 
 All serve the embedded default model in float32 with the same KV pool, so any difference in their
 greedy outputs is the project's doing. All but "unchunked" and "uncached" prefill in chunks of
@@ -96,6 +100,8 @@ OPTION_ARGS = [
     "--schedule-conservativeness",
     "2.0",
 ]
+#: An FP8 KV cache of each format SGLang names, for the FP8 servers.
+FP8_ARGS = {"fp8": ["--kv-cache-dtype", "fp8_e4m3"], "e5m2": ["--kv-cache-dtype", "fp8_e5m2"]}
 #: `patches/faults.py`: requests with these rid prefixes fail in the sparse admission / prefix match.
 FAULT_ADMISSION_RID, FAULT_MATCH_RID = "kvsparse-fault-admission-", "kvsparse-fault-match-"
 FAULT_INJECTION = {"SGLANG_KVSPARSE_FAULT": f"admission:{FAULT_ADMISSION_RID},match:{FAULT_MATCH_RID}"}
@@ -116,6 +122,11 @@ SERVER_FIXTURES = {
     "stock": "stock_server",
     "options": "options_server",
     "options_stock": "options_stock_server",
+    "fp8_sparse": "fp8_sparse_server",
+    "fp8_evicting": "fp8_evicting_server",
+    "fp8_stock": "fp8_stock_server",
+    "e5m2_sparse": "e5m2_sparse_server",
+    "e5m2_stock": "e5m2_stock_server",
 }
 
 
@@ -159,6 +170,16 @@ def servers(request, model_path, tmp_path_factory):
             stock_env,
         ),
     }
+    for fmt, kv in FP8_ARGS.items():
+        commands[f"{fmt}_sparse"] = (
+            [*launcher, *COMMON_ARGS, *LOSSLESS_SPARSITY, "--context-length", str(SPARSE_CONTEXT), *kv],
+            server_env(),
+        )
+        commands[f"{fmt}_stock"] = (
+            [PYTHON, "-m", "sglang.launch_server", *stock_args, "--context-length", str(SPARSE_CONTEXT), *kv],
+            stock_env,
+        )
+    commands["fp8_evicting"] = ([*launcher, *EVICTING_ARGS, *CHUNK_ARGS, *FP8_ARGS["fp8"]], server_env())
     wanted = servers_asked_for(request.session.items)
     started = {name: Server(name, argv, log_dir, env) for name, (argv, env) in commands.items() if name in wanted}
     try:
@@ -208,3 +229,28 @@ def options_server(servers) -> Server:
 @pytest.fixture(scope="session")
 def options_stock_server(servers) -> Server:
     return servers["options_stock"]
+
+
+@pytest.fixture(scope="session")
+def fp8_sparse_server(servers) -> Server:
+    return servers["fp8_sparse"]
+
+
+@pytest.fixture(scope="session")
+def fp8_evicting_server(servers) -> Server:
+    return servers["fp8_evicting"]
+
+
+@pytest.fixture(scope="session")
+def fp8_stock_server(servers) -> Server:
+    return servers["fp8_stock"]
+
+
+@pytest.fixture(scope="session")
+def e5m2_sparse_server(servers) -> Server:
+    return servers["e5m2_sparse"]
+
+
+@pytest.fixture(scope="session")
+def e5m2_stock_server(servers) -> Server:
+    return servers["e5m2_stock"]

@@ -76,7 +76,9 @@ class Recorder(TorchDispatchMode):
 
 def layers_of(state) -> list[SimpleNamespace]:
     return [
-        SimpleNamespace(layer_id=layer, tp_q_head_num=H_KV * G, qk_head_dim=D, scaling=0.3)
+        SimpleNamespace(
+            layer_id=layer, tp_q_head_num=H_KV * G, qk_head_dim=D, scaling=0.3, k_scale_float=None, v_scale_float=None
+        )
         for layer in sorted(state.layout.layer_places)
     ]
 

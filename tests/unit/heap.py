@@ -15,9 +15,10 @@ from collections.abc import Callable
 import torch
 
 from sglang_kvsparse.config import SparsityConfig
+from sglang_kvsparse.forward.eviction import evict_planned
 from sglang_kvsparse.forward.planning import plan_decode, plan_extend
 from sglang_kvsparse.forward.plans import ForwardPlan
-from sglang_kvsparse.forward.sparse_attention import evict_planned, sparse_decode, sparse_extend
+from sglang_kvsparse.forward.sparse_attention import sparse_decode, sparse_extend
 from sglang_kvsparse.policies import ScoringPolicy, SnapKVPolicy
 from sglang_kvsparse.state.requests import Phase
 from sglang_kvsparse.state.sparse_group import LaneBuffers

@@ -28,6 +28,14 @@ def test_each_refused_option_is_refused_only_in_use(refused):
     assert line.startswith(f"{refused.flag} eagle: " if refused.takes_value else f"{refused.flag}: ")
 
 
+def test_fp8_and_bf16_kv_caches_are_served_and_block_scaled_ones_refused():
+    for served in ("auto", "fp8_e4m3", "fp8_e5m2", "bf16", "bfloat16"):
+        assert refusals({"kv_cache_dtype": served}) == [], served
+    for refused in ("mxfp8", "nvfp4", "fp4_e2m1"):
+        (line,) = refusals({"kv_cache_dtype": refused})
+        assert line.startswith(f"--kv-cache-dtype {refused}: ") and "block-scaled" in line
+
+
 def test_defaults_and_unrelated_options_are_not_refused():
     assert refusals({"kv_cache_dtype": "auto", "disaggregation_mode": "null", "tp_size": 2, "page_size": 16}) == []
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from sglang_kvsparse.forward.eviction import evict_planned
 from sglang_kvsparse.forward.planning import plan_decode, plan_extend
-from sglang_kvsparse.forward.sparse_attention import evict_planned, sparse_decode, sparse_extend
+from sglang_kvsparse.forward.sparse_attention import sparse_decode, sparse_extend
 from sglang_kvsparse.policies import POLICIES, ScoringPolicy
 from sglang_kvsparse.policies.span import SENTENCE_KEYS
 

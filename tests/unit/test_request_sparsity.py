@@ -17,8 +17,9 @@ from sglang_kvsparse.config.request_sparsity import (
     parse_request,
 )
 from sglang_kvsparse.forward.decode_graph import DecodeBuffers
+from sglang_kvsparse.forward.eviction import evict_planned
 from sglang_kvsparse.forward.planning import plan_decode, plan_extend
-from sglang_kvsparse.forward.sparse_attention import evict_planned, sparse_decode, sparse_extend
+from sglang_kvsparse.forward.sparse_attention import sparse_decode, sparse_extend
 from sglang_kvsparse.policies import POLICIES, SnapKVPolicy, SpanPolicy
 from sglang_kvsparse.server.stats import collect
 from sglang_kvsparse.state.admission import request_rows_to_hold

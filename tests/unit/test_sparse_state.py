@@ -8,8 +8,10 @@ from hypothesis import strategies as st
 
 from sglang_kvsparse import kernels
 from sglang_kvsparse.config.request_sparsity import SERVER_SETTING, RequestSparsity
+from sglang_kvsparse.forward.eviction import evict_planned
 from sglang_kvsparse.forward.planning import plan_decode, plan_extend
-from sglang_kvsparse.forward.sparse_attention import evict_planned, sparse_decode, sparse_extend
+from sglang_kvsparse.forward.sparse_attention import KVScales, sparse_decode, sparse_extend
+from sglang_kvsparse.kernels.common import quantize
 from sglang_kvsparse.policies import PrefillScoringInputs
 from sglang_kvsparse.server.stats import collect
 from sglang_kvsparse.state.entry_table import HeapError, HeapExhausted
@@ -227,6 +229,37 @@ def test_sparse_forward_matches_dense_attention_and_stores_kv():
     assert torch.allclose(od[1:].double(), dense_attention(qd[1:], keys, values, 0.3, False), atol=1e-5)
     scores = lane.scores[score_slots(state, 2, 2, 4)]
     assert torch.allclose(scores.sum(), torch.tensor(float(H_KV * G)), atol=1e-4)  # each head's mass is 1
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("scales", [KVScales(), KVScales(0.05, 3.0)])
+def test_fp8_lanes_attend_over_what_they_store(fmt, scales):
+    """FP8 lanes: the new tokens' K/V are quantized once (divided by the layer's scales), stored
+    as such, and every attention reads those values back times the scales, as a layer of an FP8
+    pool reads back what it wrote."""
+    torch.manual_seed(2)
+    state, _ = make_state(budget=32, dtype=fmt, head_dim=16)
+    lengths = [5, 3]
+    grow(state, [1, 2], lengths)
+    plan = plan_extend(state, [1, 2], [0, 0], lengths)
+    lane, place = lane_of(state, 2)
+    total = sum(lengths)
+    q, k, v = torch.randn(total, H_KV * G, 16), torch.randn(total, H_KV, 16), torch.randn(total, H_KV, 16)
+    o = sparse_extend(q, k, v, 0.3, plan, plan.column(place), lane, state.policy, scales=scales)
+    kq, vq = quantize(k, fmt, scales.k), quantize(v, fmt, scales.v)
+    real_k, real_v = kq.float() * scales.k, vq.float() * scales.v
+    assert torch.allclose(o[:5].double(), dense_attention(q[:5], real_k[:5], real_v[:5], 0.3, True), atol=1e-5)
+    assert torch.equal(lane.k[entries(state, 2, 2)].view(torch.uint8), kq[5:].view(torch.uint8))
+
+    grow(state, [1, 2], [6, 4])
+    plan = plan_decode(state, [1, 2])
+    qd, kd, vd = torch.randn(2, H_KV * G, 16), torch.randn(2, H_KV, 16), torch.randn(2, H_KV, 16)
+    od = sparse_decode(
+        qd, kd, vd, 0.3, plan, plan.column(place), lane, state.policy, torch.tensor([5, 3]), scales=scales
+    )
+    keys = torch.cat([real_k[5:], quantize(kd[1:], fmt, scales.k).float() * scales.k])
+    values = torch.cat([real_v[5:], quantize(vd[1:], fmt, scales.v).float() * scales.v])
+    assert torch.allclose(od[1:].double(), dense_attention(qd[1:], keys, values, 0.3, False), atol=1e-5)
 
 
 def test_prefill_compression_keeps_protected_and_best_scored_keys_per_head():
