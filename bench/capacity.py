@@ -8,7 +8,10 @@ system (stock SGLang, then each project variant) this starts the server once wit
 then reads the most requests that ran at once from the server's ``#running-req`` log lines, and
 the KV bytes per request from ``GET /kvsparse/stats`` where the server answers it. Beside each
 measured ratio it shows the equal-bytes bound: what the project's heap layout admits per stock
-request at that length (`sglang_kvsparse.state.layout.capacity_ratio`, scores included).
+request at that length (`sglang_kvsparse.state.layout.capacity_ratio`, scores included). A system
+may keep its KV cache in FP8 (`--kv-cache-dtype`): it then gets the same KV bytes as the others,
+so as many more dense tokens as its values are smaller, and every system is compared with every
+stock one (stock in the model's dtype, stock FP8).
 Writes ``<out-dir>/capacity-<profile>-<date>.json``, ``.md`` and ``.png``; logs in ``...-logs/``.
 
 Usage: .venv/bin/python bench/capacity.py --profile NAME [--out-dir DIR]   (names: PROFILES)
@@ -22,7 +25,7 @@ import json
 import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +80,31 @@ class CapacityWorkload:
 
 
 @dataclass(frozen=True)
+class System:
+    """One server measured: stock SGLang, or the project's launcher with its `--kvsparse-*` flags;
+    its KV cache in the model's dtype or FP8 (`kv_dtype`, a `--kv-cache-dtype` value)."""
+
+    name: str
+    flags: tuple[str, ...] = ()
+    stock: bool = False
+    kv_dtype: str | None = None
+
+    @property
+    def value_bytes(self) -> int | None:
+        """Bytes of one stored K/V value when the cache is FP8; None: the model's dtype."""
+        return 1 if self.kv_dtype in FP8_KV else None
+
+
+#: `--kv-cache-dtype` values of an FP8 cache (a byte a value).
+FP8_KV = ("fp8_e4m3", "fp8_e5m2")
+STOCK_SYSTEM = System(STOCK, stock=True)
+
+
+@dataclass(frozen=True)
 class CapacityProfile:
-    """A fixed KV budget, the workloads sent to it, and the project's variants."""
+    """A fixed KV budget (`server.max_total_tokens` dense tokens in the model's dtype), the
+    workloads sent to it, and the project's variants (`systems`, when given, replaces stock
+    and the variants)."""
 
     name: str
     description: str
@@ -87,6 +113,10 @@ class CapacityProfile:
     variants: tuple[Variant, ...]
     client_timeout_s: float
     seed: int = 1
+    systems: tuple[System, ...] = ()
+
+    def all_systems(self) -> tuple[System, ...]:
+        return self.systems or (STOCK_SYSTEM, *(System(v.name, v.flags) for v in self.variants))
 
 
 def _cpu_server(max_total_tokens: int, model: str = "default", shape: str = "full") -> ServerSettings:
@@ -172,6 +202,22 @@ PROFILES: dict[str, CapacityProfile] = {
             client_timeout_s=1800.0,
         ),
         CapacityProfile(
+            name="fp8",
+            description="An FP8 KV cache stacked with sparsity (default model, the KV bytes of an 8,192-token "
+            "float32 pool): 4,000-token prompts with 32 output tokens, stock SGLang in float32 and in FP8 "
+            "(e4m3; on this CPU through the FP8 reference, `patches/cpu_fp8.py`) against the default preset "
+            "in FP8. The model's context (8,192) rules out 16,000-token prompts here.",
+            server=_cpu_server(8192),
+            workloads=(_one(4000, 32, 32),),
+            variants=(),
+            client_timeout_s=5400.0,
+            systems=(
+                STOCK_SYSTEM,
+                System("stock-fp8", stock=True, kv_dtype="fp8_e4m3"),
+                System("default-fp8", PROJECT_DEFAULT, kv_dtype="fp8_e4m3"),
+            ),
+        ),
+        CapacityProfile(
             name="cpu",
             description="Default model on the CPU: 24 requests of 2,000 + 128 tokens into the KV bytes "
             "of a 16,384-token dense pool (7 dense requests).",
@@ -248,9 +294,15 @@ def run_workload(
     }
 
 
+def system_tokens(system: System, settings: ServerSettings) -> int | None:
+    """The system's `--max-total-tokens`: the profile's KV bytes, in its own values."""
+    if settings.max_total_tokens is None or system.value_bytes is None:
+        return settings.max_total_tokens
+    return settings.max_total_tokens * DTYPE_BYTES[settings.dtype] // system.value_bytes
+
+
 def measure_system(
-    name: str,
-    flags: tuple[str, ...],
+    system: System,
     shared: list[str],
     profile: CapacityProfile,
     log_dir: Path,
@@ -258,48 +310,77 @@ def measure_system(
     num_layers: int,
 ) -> dict[str, Any]:
     """One system: start it, run every workload, stop it."""
-    row: dict[str, Any] = {"name": name, "launcher": launcher_of(name), "flags": list(flags), "error": None, "runs": []}
+    flags = system.flags
+    row: dict[str, Any] = {
+        "name": system.name,
+        "launcher": launcher_of(system.name, system.stock),
+        "flags": list(flags),
+        "stock": system.stock,
+        "kv_dtype": system.kv_dtype,
+        "max_total_tokens": system_tokens(system, profile.server),
+        "error": None,
+        "runs": [],
+    }
     try:
-        with server_for(name, flags, shared, profile.server, log_dir, say) as server:
+        with server_for(system.name, flags, shared, profile.server, log_dir, say, system.stock) as server:
             for workload in profile.workloads:
-                say(f"[{name}] workload {workload.name}")
-                row["runs"].append(run_workload(server, name, workload, profile, log_dir, bytes_per_token, num_layers))
+                say(f"[{system.name}] workload {workload.name}")
+                row["runs"].append(
+                    run_workload(server, system.name, workload, profile, log_dir, bytes_per_token, num_layers)
+                )
     except (ServerStartError, ClientError, requests.RequestException) as exc:
-        say(f"[{name}] failed: {exc}")
+        say(f"[{system.name}] failed: {exc}")
         row["error"] = str(exc).splitlines()[0]
     return row
 
 
 def heap_bound(
-    flags: tuple[str, ...], model_config: dict[str, Any], length: int | None, dtype_bytes: int
+    flags: tuple[str, ...], model_config: dict[str, Any], length: int | None, value_bytes: int
 ) -> float | None:
-    """Requests of `length` tokens the variant's heap admits per stock request, at equal bytes."""
+    """Requests of `length` tokens the variant's heap admits per dense request of the same KV
+    values, at equal bytes (`value_bytes`: a stored K/V value's, which sets a row's scores)."""
     if length is None:
         return None
     parser = argparse.ArgumentParser()
     add_sparsity_arguments(parser)
-    config = sparsity_from_args(parser.parse_args(list(flags)))
+    known, _ = parser.parse_known_args(list(flags))
+    config = sparsity_from_args(known)
     if not config.enabled:
         return 1.0
     head_dim = model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
     resolved = config.resolve(model_config["num_hidden_layers"], model_config["max_position_embeddings"])
-    return capacity_ratio(HeapLayout.from_resolved(resolved, scores_per_row(head_dim, dtype_bytes)), length)
+    return capacity_ratio(HeapLayout.from_resolved(resolved, scores_per_row(head_dim, value_bytes)), length)
 
 
 def add_ratios(report: dict[str, Any], model_config: dict[str, Any], dtype_bytes: int) -> None:
-    """Per project run: its peak over stock's on the same workload, and the heap's bound."""
-    stock = next((s for s in report["systems"] if s["name"] == STOCK), None)
-    stock_peaks = {run["workload"]: run["peak_running"] for run in (stock or {}).get("runs", [])}
+    """Per run: its peak over each stock system's on the same workload, and the equal-bytes bound
+    against it: the heap layout's (project systems) times how many more values the same bytes
+    hold (an FP8 cache against one in the model's dtype). `ratio_to_stock` and `bound` are
+    against stock in the model's dtype."""
     lengths = {w["name"]: w["length"] for w in report["workloads"]}
+    stocks = [s for s in report["systems"] if s["stock"]]
+    peaks = {s["name"]: {run["workload"]: run["peak_running"] for run in s["runs"]} for s in stocks}
     for system in report["systems"]:
+        mine = system_value_bytes(system, dtype_bytes)
         for run in system["runs"]:
-            base = stock_peaks.get(run["workload"])
-            run["ratio_to_stock"] = run["peak_running"] / base if base and run["peak_running"] else None
-            run["bound"] = (
-                heap_bound(tuple(system["flags"]), model_config, lengths[run["workload"]], dtype_bytes)
-                if system["name"] != STOCK
-                else 1.0
-            )
+            layout = 1.0
+            if not system["stock"]:
+                layout = heap_bound(tuple(system["flags"]), model_config, lengths[run["workload"]], mine)
+            run["against"] = {}
+            for stock in stocks:
+                base = peaks[stock["name"]].get(run["workload"])
+                bytes_ratio = system_value_bytes(stock, dtype_bytes) / mine
+                run["against"][stock["name"]] = {
+                    "ratio": run["peak_running"] / base if base and run["peak_running"] else None,
+                    "bound": None if layout is None else layout * bytes_ratio,
+                }
+            main = run["against"].get(STOCK, {"ratio": None, "bound": None})
+            run["ratio_to_stock"], run["bound"] = main["ratio"], main["bound"]
+
+
+def system_value_bytes(system: dict[str, Any], dtype_bytes: int) -> int:
+    """Bytes of one stored K/V value of a reported system."""
+    return 1 if system.get("kv_dtype") in FP8_KV else dtype_bytes
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -339,9 +420,25 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {system['name']} | {run['workload']} | {run['completed']}/{run['sent']} | {peak} | {ratio} | "
                 f"{bound} | {run['kv_bytes_per_request']:,.0f} | {per_layer} | {run['kv_bytes_source']} |"
             )
+    stocks = [s["name"] for s in report["systems"] if s["stock"]]
+    if len(stocks) > 1:
+        lines += ["", "Against every stock system (peak running requests over its, and the equal-bytes bound):", ""]
+        lines += ["| system | workload | " + " | ".join(f"over {name} (bound)" for name in stocks) + " |"]
+        lines += ["|---|---|" + "---:|" * len(stocks)]
+        for system in report["systems"]:
+            for run in system["runs"]:
+                cells = []
+                for name in stocks:
+                    cell = run["against"][name]
+                    ratio = "—" if cell["ratio"] is None else f"{cell['ratio']:.2f}"
+                    bound = "—" if cell["bound"] is None else f"{cell['bound']:.2f}"
+                    cells.append(f"{ratio} ({bound})")
+                lines.append(f"| {system['name']} | {run['workload']} | " + " | ".join(cells) + " |")
     lines += ["", "Systems:", ""]
     for system in report["systems"]:
-        lines.append(f"- **{system['name']}**: `{system['launcher']}` {' '.join(system['flags']) or '(stock)'}")
+        tokens = f", --max-total-tokens {system['max_total_tokens']:,}" if system.get("max_total_tokens") else ""
+        kv = f" (KV {system['kv_dtype']}{tokens})" if system.get("kv_dtype") else ""
+        lines.append(f"- **{system['name']}**: `{system['launcher']}` {' '.join(system['flags']) or '(stock)'}{kv}")
     lines += [
         "",
         "Peak running requests: the most requests holding KV at once in the server's scheduler log. "
@@ -350,7 +447,8 @@ def markdown(report: dict[str, Any]) -> str:
         "what the heap layout holds per request stock holds at the workload's final length, scores "
         "included (computed from the layout, not measured). KV bytes per request are measured when "
         "they peaked (K+V and the sparse entries' scores). All systems get the same KV bytes "
-        "(--max-total-tokens counts dense tokens).",
+        "(--max-total-tokens counts dense tokens: an FP8 system gets as many more as its values are "
+        "smaller).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -423,10 +521,14 @@ def main(argv: list[str] | None = None) -> int:
 
     for stale in log_dir.glob("client-*.jsonl"):
         stale.unlink()
-    systems = [
-        measure_system(name, flags, shared, profile, log_dir, bytes_per_token, num_layers)
-        for name, flags in [(STOCK, ()), *((v.name, v.flags) for v in profile.variants)]
-    ]
+    systems = []
+    for system in profile.all_systems():
+        tokens = system_tokens(system, profile.server)
+        settings = replace(profile.server, max_total_tokens=tokens, kv_cache_dtype=system.kv_dtype)
+        mine = system.value_bytes or DTYPE_BYTES[profile.server.dtype]
+        system_bytes = bytes_per_token * mine // DTYPE_BYTES[profile.server.dtype]
+        args = shared_server_args(settings, model_dir, load_args)
+        systems.append(measure_system(system, args, profile, log_dir, system_bytes, num_layers))
     report = {
         "profile": profile.name,
         "date": date,

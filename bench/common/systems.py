@@ -44,6 +44,7 @@ class ServerSettings:
     startup_timeout_s: float
     shape: str = "full"  # a dummy model's shape: common.models.SHAPES
     tp_size: int = 1  # both systems' --tp-size
+    kv_cache_dtype: str | None = None  # --kv-cache-dtype (None: the model's dtype)
 
     @property
     def on_gpu(self) -> bool:
@@ -79,6 +80,8 @@ def shared_server_args(settings: ServerSettings, model_dir: Path, load_args: lis
         args += ["--mem-fraction-static", str(settings.mem_fraction_static)]
     if settings.tp_size != 1:
         args += ["--tp-size", str(settings.tp_size)]
+    if settings.kv_cache_dtype is not None:
+        args += ["--kv-cache-dtype", settings.kv_cache_dtype]
     if not settings.on_gpu:
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
     return args
@@ -89,9 +92,9 @@ def args_for_report(shared: list[str], model_dir: Path) -> list[str]:
     return [arg if arg != str(model_dir) else f"<{model_dir.name}>" for arg in shared]
 
 
-def launcher_of(name: str) -> str:
-    """The command a system runs, for reports."""
-    return LAUNCHERS["stock" if name == STOCK else "project"][1]
+def launcher_of(name: str, stock: bool | None = None) -> str:
+    """The command a system runs, for reports (`stock`: stock SGLang; default: by the name)."""
+    return LAUNCHERS["stock" if (name == STOCK if stock is None else stock) else "project"][1]
 
 
 def server_for(
@@ -101,17 +104,19 @@ def server_for(
     settings: ServerSettings,
     log_dir: Path,
     progress: Callable[[str], None],
+    stock: bool | None = None,
 ) -> ServerProcess:
-    """Stock SGLang (``name == STOCK``) or the project's launcher with ``flags``."""
+    """Stock SGLang (`stock`; default: ``name == STOCK``) or the project's launcher with ``flags``."""
+    stock = name == STOCK if stock is None else stock
     port = free_port()
     # The plugin is installed for every SGLang process; without its variable it does nothing.
     env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
-    module = LAUNCHERS["stock" if name == STOCK else "project"][0]
-    if name == STOCK and not settings.on_gpu:
+    module = LAUNCHERS["stock" if stock else "project"][0]
+    if stock and not settings.on_gpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"  # the project's launcher sets both itself
         if settings.tp_size > 1:
             env.setdefault(THREADS_BIND_ENV, binding_for_this_process(settings.tp_size))
-    extra = [] if name == STOCK else list(flags)
+    extra = [] if stock else list(flags)
     command = [sys.executable, "-m", module, *shared, "--host", "127.0.0.1", "--port", str(port), *extra]
     return ServerProcess(
         name=name,
