@@ -100,7 +100,11 @@ def main() -> None:
     parser.add_argument(
         "--render", action="store_true", help="rewrite the report of --stem (with --kvpress's rows), asking nothing"
     )
+    parser.add_argument(
+        "--kv-cache-dtype", help="both servers' KV cache (fp8_e4m3, fp8_e5m2; default: the model's dtype)"
+    )
     args = parser.parse_args()
+    settings = dataclasses.replace(SERVER_SETTINGS, kv_cache_dtype=args.kv_cache_dtype)
     if args.render:
         render(ReportPaths(args.out_dir, args.stem), args.kvpress)
         return
@@ -134,10 +138,10 @@ def main() -> None:
         paths.markdown.write_text(markdown(data))
 
     with tempfile.TemporaryDirectory() as work:
-        model_dir, load_args = prepare_model(SERVER_SETTINGS, Path(work))
-        shared = shared_server_args(SERVER_SETTINGS, model_dir, load_args)
+        model_dir, load_args = prepare_model(settings, Path(work))
+        shared = shared_server_args(settings, model_dir, load_args)
         off = ("--kvsparse-preset", "off", *SERVER_FLAGS)
-        with server_for("full-cache", off, shared, SERVER_SETTINGS, Path(work), print) as server:
+        with server_for("full-cache", off, shared, settings, Path(work), print) as server:
             for number, prompt in enumerate(prompts, 1):
                 answers[prompt.prompt_id]["full"] = ask(server.base_url, prompt, None)
                 print(
@@ -146,7 +150,7 @@ def main() -> None:
         save()
         asked = [p for p in prompts if answers[p.prompt_id]["full"]["correct"]]
         variants = {DEFAULT_LABEL: None, **policy_variants}
-        with server_for("project", SERVER_FLAGS, shared, SERVER_SETTINGS, Path(work), print) as server:
+        with server_for("project", SERVER_FLAGS, shared, settings, Path(work), print) as server:
             for label, knobs in variants.items():
                 for prompt in asked:
                     for budget in budgets:
@@ -157,7 +161,7 @@ def main() -> None:
                 save()
         for label, changes in server_variants.items():
             flags = ("--kvsparse-config", server_config(changes), *SERVER_FLAGS)
-            with server_for("project", flags, shared, SERVER_SETTINGS, Path(work), print) as server:
+            with server_for("project", flags, shared, settings, Path(work), print) as server:
                 for prompt in asked:
                     for budget in budgets:
                         if prompt.target_tokens > budget:
