@@ -12,8 +12,10 @@ the run goes on:
              adds per decode step at Llama-3.1-8B's KV shape, batches 1, 8 and 64, every counted
              step under ``torch.cuda.set_sync_debug_mode("error")``; its own JSON, markdown and PNG.
              (CPU: the simulated device at a small shape.)
-  graph      the sparse decode step captured once in a ``torch.cuda.CUDAGraph`` over the fixed
-             buffers of ``decode_graph.DecodeBuffers`` and replayed for 300 steps in which requests
+  graph      the sparse decode step as SGLang's graph runner drives the backend's sparse side
+             (``SparseForward``: its fixed buffers, planned into before every replay, under
+             ``torch.cuda.set_sync_debug_mode("error")``), captured once in a ``torch.cuda.CUDAGraph``
+             and replayed for 300 steps in which requests
              join, evict and finish, against the eager step on a twin state: outputs compared, and
              the median step time of both. (CPU: the buffers without a graph.)
   serving    ``bench/serving.py --profile gpu-check-serving`` (the Llama-3.1-8B shape with dummy
@@ -46,9 +48,8 @@ from common.report import ReportPaths, provenance_line, write_json
 
 importable()
 
-from sglang_kvsparse.forward.decode_graph import DecodeBuffers  # noqa: E402
 from sglang_kvsparse.state.sparse_state import SparseState  # noqa: E402
-from tests.unit.heap import decode_lifecycle, eager_decode, make_state  # noqa: E402
+from tests.unit.heap import ReplayStep, decode_lifecycle, eager_step, make_state  # noqa: E402
 
 STEPS = 300
 GRAPH_BS = 6
@@ -80,56 +81,69 @@ def lifecycle_state(device: str) -> SparseState:
     return state
 
 
-class GraphDecode:
-    """The decode step through `DecodeBuffers`, captured in a CUDA graph at its first call (after
-    a warm-up whose writes are undone); on a CPU the same buffers run eagerly."""
+class GraphDecode(ReplayStep):
+    """The decode step as SGLang's graph runner drives the sparse side of the backend
+    (`SparseForward`: `init_graph`, `begin_capture`, then `begin_replay` before every replay),
+    its sparse layers captured in a CUDA graph at the first step (after a warm-up whose writes
+    are undone); on a CPU the same buffers run eagerly."""
 
     def __init__(self, state: SparseState, device: str) -> None:
+        super().__init__(state, GRAPH_BS)
         self.device = device
-        self.buffers = DecodeBuffers(state, GRAPH_BS, device)
-        self.plan = self.buffers.plan(GRAPH_BS)
         self.inputs: list[torch.Tensor] | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self.times: list[float] = []
 
-    def __call__(self, state: SparseState, plan, q, k, v, positions) -> torch.Tensor:
+    def __call__(self, state: SparseState, req_indices: list[int], q, k, v, positions) -> torch.Tensor:
         start = time.perf_counter()
-        self.buffers.fill(plan)
         if self.inputs is None:
             self.inputs = [t.new_zeros(GRAPH_BS, *t.shape[1:]) for t in (q, k, v, positions)]
-        for static, given in zip(self.inputs, (q, k, v, positions)):
-            static.zero_()
-            static[: given.shape[0]].copy_(given)
         if self.device != "cuda":
-            self.out = eager_decode(state, self.plan, *self.inputs)
+            self.fill(req_indices)
+            self._set_inputs(q, k, v, positions)
+            self.out = self.layers_over(*self.inputs)
         else:
             if self.graph is None:
+                self.fill(req_indices)
+                self._set_inputs(q, k, v, positions)
                 self._capture(state)
+            else:
+                torch.cuda.set_sync_debug_mode("error")  # planning and replay never wait on the device
+                try:
+                    self.fill(req_indices)
+                    self._set_inputs(q, k, v, positions)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
             self.graph.replay()
             torch.cuda.synchronize()
         self.times.append(time.perf_counter() - start)
         return self.out[:, : q.shape[0]].clone()
+
+    def _set_inputs(self, q, k, v, positions) -> None:
+        for static, given in zip(self.inputs, (q, k, v, positions)):
+            static.zero_()
+            static[: given.shape[0]].copy_(given)
 
     def _capture(self, state: SparseState) -> None:
         saved = [(lane.k.clone(), lane.v.clone()) for lane in state.lanes]  # scores live in k
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            eager_decode(state, self.plan, *self.inputs)  # compiles and loads every kernel
+            self.layers_over(*self.inputs)  # compiles and loads every kernel
         torch.cuda.current_stream().wait_stream(side)
         for lane, (k, v) in zip(state.lanes, saved):
             lane.k.copy_(k)
             lane.v.copy_(v)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.out = eager_decode(state, self.plan, *self.inputs)
+            self.out = self.layers_over(*self.inputs)
 
 
 def timed_eager(times: list[float]) -> Callable:
-    def decode(state, plan, q, k, v, positions):
+    def decode(state, req_indices, q, k, v, positions):
         start = time.perf_counter()
-        out = eager_decode(state, plan, q, k, v, positions)
+        out = eager_step(state, req_indices, q, k, v, positions)
         if q.is_cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)

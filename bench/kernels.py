@@ -7,7 +7,8 @@ On a GPU (one run):
     (target: < 3 % overhead) next to SGLang's extend kernel and FlashInfer where importable; window
     scoring at 5,000 tokens as the default preset scores (its window of 16 queries)
     relative to that prefill (target: < 5 %); decode with
-    score accumulation vs SGLang's decode kernel (and FlashInfer) at the same kept length;
+    score accumulation vs SGLang's decode kernel (and FlashInfer) at the same kept length, and over an
+    FP8 cache (e4m3, half the bytes read: `fp8_vs_model_dtype`);
     a decode eviction (selection and move) of every request at once.
   * writes bench/results/kernels-<date>-<gpu>.json and .md (the GPU is named inside).
 Without CUDA (or with --small / --dry-run) it runs the same checks at small sizes under the Triton
@@ -50,6 +51,7 @@ from sglang_kvsparse.kernels import (  # noqa: E402
     extend_attention_with_stats,
     window_scores,
 )
+from sglang_kvsparse.kernels.common import quantize  # noqa: E402
 from sglang_kvsparse.kernels.testing import (  # noqa: E402
     RaggedBatch,
     as_table,
@@ -348,6 +350,23 @@ def bench_decode(sizes: Sizes, device: str, reps: int, sglang_decode, report: di
             reps,
             cuda,
         )
+        # The same step over an FP8 cache (e4m3, scales 0.5 / 2): half the K/V bytes read.
+        k8, v8 = quantize(batch.k_buf, torch.float8_e4m3fn, 0.5), quantize(batch.v_buf, torch.float8_e4m3fn, 2.0)
+        args8 = (q, k8, v8, kv_lens_of(batch), as_table(batch, extra=0))
+        scales = {"k_scale": 0.5, "v_scale": 2.0}
+        s8, s8_ref = (torch.zeros(batch.k_buf.shape[:2], device=device) for _ in range(2))
+        o8 = decode_attention_with_scores(*args8, s8, batch.sm_scale, num_kv_splits=splits, backend="triton", **scales)
+        o8_ref = decode_attention_with_scores(*args8, s8_ref, batch.sm_scale, backend="torch", **scales)
+        check(report, f"decode {name} FP8: output vs torch", rel_error(o8, o8_ref), OUT_REL[sizes.dtype])
+        check(report, f"decode {name} FP8: scores vs torch", rel_error(s8, s8_ref), STAT_REL)
+        row["ours_fp8_ms"] = timer(
+            lambda: decode_attention_with_scores(
+                *args8, s8, batch.sm_scale, num_kv_splits=splits, out=out, backend="triton", **scales
+            ),
+            reps,
+            cuda,
+        )
+        row["fp8_vs_model_dtype"] = row["ours_fp8_ms"] / row["ours_with_scores_ms"]
         if sglang_decode is not None:
             run = sglang_decode_call(sglang_decode, batch, q, splits)
             check(report, f"decode {name}: output vs SGLang", rel_error(o, run()), OUT_REL[sizes.dtype])

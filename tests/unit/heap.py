@@ -19,6 +19,7 @@ from sglang_kvsparse.forward.eviction import evict_planned
 from sglang_kvsparse.forward.planning import plan_decode, plan_extend
 from sglang_kvsparse.forward.plans import ForwardPlan
 from sglang_kvsparse.forward.sparse_attention import sparse_decode, sparse_extend
+from sglang_kvsparse.forward.sparse_forward import SparseForward
 from sglang_kvsparse.policies import ScoringPolicy, SnapKVPolicy
 from sglang_kvsparse.state.requests import Phase
 from sglang_kvsparse.state.sparse_group import LaneBuffers
@@ -169,11 +170,12 @@ def prefill_alone(state: SparseState, req_idx: int, final: int, q, k, v) -> None
     state.finish_forward()
 
 
-#: A decode step's sparse layers: (state, plan, q [B, H_q, D], k, v, positions [B]) -> outputs
-#: [layers, B, H_q, D].
-DecodeStep = Callable[[SparseState, ForwardPlan, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: A decode step, its plan and evictions included: (state, request indices, q [B, H_q, D], k, v,
+#: positions [B]) -> every sparse layer's outputs [layers, B, H_q, D].
+DecodeStep = Callable[[SparseState, list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 GROUP = 2  # query heads per KV head in `decode_lifecycle`
+SM_SCALE = 0.3
 
 
 def eager_decode(state: SparseState, plan: ForwardPlan, q, k, v, positions) -> torch.Tensor:
@@ -181,21 +183,58 @@ def eager_decode(state: SparseState, plan: ForwardPlan, q, k, v, positions) -> t
     outputs = []
     for place in state.layout.layer_places.values():
         lane = state.lanes[place.lane]
-        outputs.append(sparse_decode(q, k, v, 0.3, plan, plan.column(place), lane, state.policy, positions))
+        outputs.append(sparse_decode(q, k, v, SM_SCALE, plan, plan.column(place), lane, state.policy, positions))
     return torch.stack(outputs)
+
+
+def eager_step(state: SparseState, req_indices: list[int], q, k, v, positions) -> torch.Tensor:
+    """A decode step run eagerly: planned, its evictions run, every sparse layer."""
+    plan = plan_decode(state, req_indices, q.device)
+    evict_planned(plan, state.layout, state.lanes, state.policy)
+    return eager_decode(state, plan, q, k, v, positions)
+
+
+class ReplayStep:
+    """A decode step as SGLang's graph runner drives the sparse side of the backend
+    (`SparseForward`): the fixed buffers once (`init_graph`), the plan over them at capture
+    (`begin_capture`), then each step's requests planned into them (`begin_replay`) and the
+    sparse layers run over fixed inputs of `batch_size` rows, the padding included."""
+
+    def __init__(self, state: SparseState, batch_size: int) -> None:
+        self.sparse = SparseForward(state)
+        self.sparse.init_graph(batch_size)
+        self.sparse.begin_capture(batch_size)
+        self.batch_size = batch_size
+        self.layers = sorted(state.layout.layer_places)
+
+    def fill(self, req_indices: list[int]) -> None:
+        """What runs before a replay: the step planned, its evictions run, the buffers filled."""
+        no_tokens = torch.zeros(self.batch_size, dtype=torch.int64)  # the sentence marks' (none here)
+        self.sparse.begin_replay(req_indices, self.batch_size, no_tokens, no_tokens)
+
+    def layers_over(self, q, k, v, positions) -> torch.Tensor:
+        """What a captured graph replays: every sparse layer over the fixed-shape inputs."""
+        return torch.stack([self.sparse.decode(q, k, v, layer, SM_SCALE, positions) for layer in self.layers])
+
+    def __call__(self, state: SparseState, req_indices: list[int], q, k, v, positions) -> torch.Tensor:
+        self.fill(req_indices)
+        pad = self.batch_size - q.shape[0]
+        q, k, v = (torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in (q, k, v))
+        positions = torch.cat([positions, positions.new_zeros(pad)])
+        return self.layers_over(q, k, v, positions)[:, : len(req_indices)]
 
 
 def decode_lifecycle(
     state: SparseState,
     steps: int,
-    decode: DecodeStep = eager_decode,
+    decode: DecodeStep = eager_step,
     seed: int = 5,
 ):
     """A seeded lifecycle: requests join (prefilled alone), decode together, evict and finish,
-    on a state of up to 7 requests (indices 1..7). Each decode step's plan goes to `decode`,
-    after its evictions ran. Returns (each decode step's outputs on the host, steps with an
-    eviction). Inputs come from a seeded generator, in the lanes' head dim and dtype: two runs
-    see the same."""
+    on a state of up to 7 requests (indices 1..7). Each decode step (after SGLang's allocation)
+    goes to `decode`, which plans it, runs its evictions and its sparse layers. Returns (each
+    decode step's outputs on the host, steps with an eviction). Inputs come from a seeded
+    generator, in the lanes' head dim and dtype: two runs see the same."""
     lane = state.lanes[0].k
     device, head_dim = lane.device, lane.shape[2]
     gen = torch.Generator().manual_seed(seed)
@@ -219,12 +258,11 @@ def decode_lifecycle(
         if not req_indices:
             continue
         grow(state, req_indices, [lengths[req_idx] + 1 for req_idx in req_indices])
-        plan = plan_decode(state, req_indices, device)
-        evicting += bool(plan.evictions)
         q, k, v = inputs(len(req_indices))
         positions = torch.tensor([lengths[req_idx] for req_idx in req_indices], device=device)
-        evict_planned(plan, state.layout, state.lanes, state.policy)
-        out = decode(state, plan, q, k, v, positions)
+        evictions = state.counters.evictions
+        out = decode(state, req_indices, q, k, v, positions)
+        evicting += state.counters.evictions > evictions
         outputs.append(out.cpu())
         state.finish_forward()
         for req_idx in req_indices:

@@ -1,7 +1,9 @@
 """The graph-replay decode path (fixed-shape buffers updated in place) against the eager one.
 
-A captured decode graph reads the same tensors at every replay: `DecodeBuffers.plan` is built
-once, as at capture, and every step only `fill`s the buffers. Over hundreds of steps in which
+A captured decode graph reads the same tensors at every replay: through `SparseForward`, as
+SGLang's graph runner drives the backend, the buffers and their plan are made once
+(`init_graph`, `begin_capture`) and every step only plans its requests into them
+(`begin_replay`). Over hundreds of steps in which
 requests join, evict and finish, its outputs and the lanes' K/V and scores must be the eager
 path's. The captured batch is wider than the running one, so padded rows are exercised too.
 (`bench/gpu_check.py` replays the same step from a real CUDA graph.)
@@ -13,7 +15,7 @@ import torch
 from sglang_kvsparse.forward.decode_graph import DecodeBuffers
 from sglang_kvsparse.forward.planning import plan_decode, plan_extend
 
-from .heap import assert_device_tables_mirror_the_host, decode_lifecycle, eager_decode, grow, make_state
+from .heap import ReplayStep, assert_device_tables_mirror_the_host, decode_lifecycle, grow, make_state
 
 GRAPH_BS = 6
 
@@ -22,27 +24,23 @@ def lifecycle_state():
     return make_state(num_layers=4, full_layers=(0,), budget=8, evict_page=4, rows=4096, max_requests=8, context=4096)
 
 
-def replay_through(buffers: DecodeBuffers):
-    """A decode step as a replayed graph runs it: the plan captured once, the buffers filled."""
-    captured = buffers.plan(GRAPH_BS)
+def replay_checked(state) -> ReplayStep:
+    """The replayed step, checking after each that the device tables mirror the host's."""
 
-    def decode(state, plan, q, k, v, positions):
-        buffers.fill(plan)
-        pad = [torch.randn(GRAPH_BS - q.shape[0], *t.shape[1:]) for t in (q, k, v)]
-        q, k, v = (torch.cat([t, p]) for t, p in zip((q, k, v), pad))
-        positions = torch.cat([positions, positions.new_zeros(GRAPH_BS - positions.shape[0])])
-        outputs = eager_decode(state, captured, q, k, v, positions)[:, : plan.qo_indptr.numel() - 1]
-        assert_device_tables_mirror_the_host(state)
-        return outputs
+    class Checked(ReplayStep):
+        def __call__(self, state, req_indices, q, k, v, positions):
+            outputs = super().__call__(state, req_indices, q, k, v, positions)
+            assert_device_tables_mirror_the_host(state)
+            return outputs
 
-    return decode
+    return Checked(state, GRAPH_BS)
 
 
 def test_graph_replay_matches_eager_over_hundreds_of_steps_with_evictions():
     eager_state, _ = lifecycle_state()
     eager, evicting = decode_lifecycle(eager_state, 400)
     replay_state, _ = lifecycle_state()
-    replay, _ = decode_lifecycle(replay_state, 400, replay_through(DecodeBuffers(replay_state, GRAPH_BS, "cpu")))
+    replay, _ = decode_lifecycle(replay_state, 400, replay_checked(replay_state))
     assert len(eager) > 300 and evicting > 30
     for step, (a, b) in enumerate(zip(eager, replay)):
         assert torch.allclose(a, b, atol=1e-6), step
