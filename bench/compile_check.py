@@ -206,6 +206,7 @@ def _launch(case: Case) -> None:
             0.1,
             score_indices=table,
             score_update=case.variant,
+            num_kv_splits=kernels.decode_attention.MAX_SPLITS,  # the widest merge a server compiles
         )
     elif case.family == "write":
         n = 3

@@ -18,12 +18,16 @@ the run goes on:
              and replayed for 300 steps in which requests
              join, evict and finish, against the eager step on a twin state: outputs compared, and
              the median step time of both. (CPU: the buffers without a graph.)
+  bandwidth  ``bench/bandwidth.py``: the decode and eviction kernels' achieved bandwidth against the
+             device's copy bandwidth and the decode's time against torch's flash SDPA over the
+             same K/V, contexts 1k-32k, batches 1-128, head dims 64-256, GQA 1-8 (decode:
+             (share of the copy bandwidth, time over SDPA's) per case); its own JSON.
   serving    ``bench/serving.py --profile gpu-check-serving`` (the Llama-3.1-8B shape with dummy
              weights, stock SGLang against the project), only where SGLang imports: recorded as
              skipped, with the reason, where it does not.
 
 Writes ``<out-dir>/gpu-check-<date>[-dry-run].json`` and ``.md``, the device named in both: with
-the kernels' and the step cost's reports, seven files.
+the kernels', the step cost's and the bandwidth's reports, eight files.
 """
 
 from __future__ import annotations
@@ -54,9 +58,9 @@ from tests.unit.heap import ReplayStep, decode_lifecycle, eager_step, make_state
 STEPS = 300
 GRAPH_BS = 6
 SERVING_PROFILE = "gpu-check-serving"
-STEP_NAMES = ("kernels", "step-cost", "graph", "serving")
+STEP_NAMES = ("kernels", "step-cost", "graph", "bandwidth", "serving")
 #: Each subprocess step's limit in seconds: together under 8 minutes with the graph step.
-LIMITS = {"kernels": 200, "step-cost": 180, "serving": 900}
+LIMITS = {"kernels": 170, "step-cost": 170, "bandwidth": 100, "serving": 900}
 
 
 def say(message: str) -> None:
@@ -205,6 +209,27 @@ def check_step_cost(out_dir: Path, dry_run: bool) -> dict[str, Any]:
     return result
 
 
+def check_bandwidth(out_dir: Path, dry_run: bool) -> dict[str, Any]:
+    path = out_dir / f"bandwidth-{dt.date.today().isoformat()}{'-dry-run' if dry_run else ''}.json"
+    args = ["bench/bandwidth.py", "--json", str(path), *(["--small"] if dry_run else [])]
+    result = run_script(args, LIMITS["bandwidth"])
+    if path.exists():
+        report = json.loads(path.read_text())
+        result["copy_gb_s"] = round(report["copy_bandwidth"] / 1e9, 1)
+        result["targets"] = report["targets"]
+        result["decode"] = {
+            f"{row['context']}x{row['batch']} D{row['head_dim']} G{row['group']}": (
+                round(row["of_copy_bandwidth"], 3),
+                None if row["vs_sdpa"] is None else round(row["vs_sdpa"], 2),
+            )
+            for row in report["decode"]
+        }
+        result["evict_of_copy"] = {
+            f"{row['budget']}x{row['requests']}": round(row["of_copy_bandwidth"], 3) for row in report["evict"]
+        }
+    return result
+
+
 def check_serving(out_dir: Path, dry_run: bool) -> dict[str, Any]:
     if importlib.util.find_spec("sglang") is None:
         return {"ok": True, "skipped": "SGLang is not installed here (serving needs it, the other steps do not)"}
@@ -284,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         "kernels": lambda: check_kernels(args.out_dir, args.dry_run),
         "step-cost": lambda: check_step_cost(args.out_dir, args.dry_run),
         "graph": lambda: check_graph(device),
+        "bandwidth": lambda: check_bandwidth(args.out_dir, args.dry_run),
         "serving": lambda: check_serving(args.out_dir, args.dry_run),
     }
     chosen = args.steps.split(",")

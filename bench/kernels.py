@@ -24,9 +24,7 @@ import datetime as dt
 import os
 import platform
 import re
-import statistics
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +39,7 @@ if not torch.cuda.is_available():  # must precede the first triton import
 import triton  # noqa: E402
 from common.checkout import importable  # noqa: E402
 from common.report import ReportPaths, provenance_line, write_json  # noqa: E402
+from common.timing import timer  # noqa: E402
 
 importable()
 
@@ -52,6 +51,7 @@ from sglang_kvsparse.kernels import (  # noqa: E402
     window_scores,
 )
 from sglang_kvsparse.kernels.common import quantize  # noqa: E402
+from sglang_kvsparse.kernels.decode_attention import decode_splits, processor_count  # noqa: E402
 from sglang_kvsparse.kernels.testing import (  # noqa: E402
     RaggedBatch,
     as_table,
@@ -76,7 +76,6 @@ class Sizes:
     prefill: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
     decode: tuple[tuple[str, int, int], ...]  # (name, batch, kept length)
     window: int
-    num_kv_splits: int
 
 
 # A Llama-3-8B-like layer: 8 KV heads, GQA 4, head dim 128, bf16.
@@ -92,7 +91,6 @@ GPU_SIZES = Sizes(
     ),
     decode=(("64 x 1536 kept", 64, 1536), ("64 x 4096", 64, 4096), ("8 x 16384", 8, 16384)),
     window=DEFAULT.window,
-    num_kv_splits=8,
 )
 SMALL_SIZES = Sizes(
     2,
@@ -102,31 +100,10 @@ SMALL_SIZES = Sizes(
     prefill=(("2 requests", (100, 37), (100, 90)),),
     decode=(("3 x ~64", 3, 64),),
     window=16,
-    num_kv_splits=2,
 )
 # Bounds on normwise relative error vs the torch reference (bf16/fp16 P@V rounding dominates).
 OUT_REL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 STAT_REL = 1e-4
-
-
-def timer(fn: Callable[[], object], reps: int, cuda: bool) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` runs after two warm-ups (CUDA events on GPU)."""
-    for _ in range(2):
-        fn()
-    samples = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
 
 
 def load_sglang() -> tuple[object | None, object | None, str]:
@@ -328,7 +305,6 @@ def bench_prefill(sizes: Sizes, device: str, reps: int, sglang_extend, report: d
 
 def bench_decode(sizes: Sizes, device: str, reps: int, sglang_decode, report: dict) -> None:
     cuda = device == "cuda"
-    splits = sizes.num_kv_splits
     for name, bsz, kept in sizes.decode:
         kv_lens = [kept - 7 * (b % 3) for b in range(bsz)]  # ragged around the kept length
         batch = make_ragged_batch(
@@ -336,6 +312,7 @@ def bench_decode(sizes: Sizes, device: str, reps: int, sglang_decode, report: di
         )
         q = decode_queries(batch)
         args = (q, batch.k_buf, batch.v_buf, kv_lens_of(batch), as_table(batch, extra=0))
+        splits = decode_splits(bsz, sizes.num_kv_heads, args[-1].shape[1], processor_count(torch.device(device)))
         scores, scores_ref = (torch.zeros(batch.k_buf.shape[:2], device=device) for _ in range(2))
         o = decode_attention_with_scores(*args, scores, batch.sm_scale, num_kv_splits=splits, backend="triton")
         o_ref = decode_attention_with_scores(*args, scores_ref, batch.sm_scale, backend="torch")

@@ -51,6 +51,34 @@ class DecodeConfig:
     num_stages: int = 2
 
 
+#: Programs a decode launch aims for per streaming multiprocessor: enough that every SM has work
+#: with some left to hide a slow one, and no more, since each split adds a partial output to merge.
+PROGRAMS_PER_SM = 4
+#: The fewest keys a split is given (a chunk shorter than a few key blocks is mostly overhead).
+MIN_SPLIT_KEYS = 128
+#: The most splits a row is cut into.
+MAX_SPLITS = 16
+
+
+def decode_splits(batch: int, kv_heads: int, width: int, processors: int) -> int:
+    """Key chunks per request for a launch of `batch` rows of `width` entries (the table's width:
+    the longest a row can be, known without reading the lengths) over `kv_heads` heads on a device
+    with `processors` SMs: as many as bring the launch to `PROGRAMS_PER_SM` programs per SM,
+    chunks of at least `MIN_SPLIT_KEYS` keys, at most `MAX_SPLITS`; a power of two, so that a
+    server compiles at most five variants of the kernel (the count is a compile-time constant)."""
+    wanted = -(-PROGRAMS_PER_SM * processors // max(1, batch * kv_heads))
+    by_width = -(-width // MIN_SPLIT_KEYS)
+    most = max(1, min(MAX_SPLITS, wanted, by_width))
+    return 1 << (most.bit_length() - 1)
+
+
+def processor_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors (1 off CUDA: the interpreter runs programs one by one)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 #: Keys in a batch below which the torch reference's matmuls take all KV heads at once.
 _FEW_KEYS = 4096
 
@@ -277,14 +305,14 @@ def decode_attention_with_scores_triton(
     *,
     score_indices: torch.Tensor | None = None,
     score_update: ScoreUpdate = "add",
-    num_kv_splits: int = 8,
+    num_kv_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton implementation; see :func:`decode_attention_with_scores` for the contract."""
-    if num_kv_splits < 1:
+    if num_kv_splits is not None and num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     update = _update_index(score_update)
     group = check_group(q.shape[1], k_buf.shape[1])
@@ -295,6 +323,8 @@ def decode_attention_with_scores_triton(
     if batch == 0:
         return o
     dev = q.device
+    if num_kv_splits is None:
+        num_kv_splits = decode_splits(batch, k_buf.shape[1], kv_indices.shape[1], processor_count(dev))
     mid_o = torch.empty((batch, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32, device=dev)
     mid_lse = torch.empty((batch, num_q_heads, num_kv_splits), dtype=torch.float32, device=dev)
     save_logits = SCORE_UPDATES[update] != "none"
@@ -386,7 +416,7 @@ def decode_attention_with_scores_torch(
     *,
     score_indices: torch.Tensor | None = None,
     score_update: ScoreUpdate = "add",
-    num_kv_splits: int = 8,
+    num_kv_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
     k_scale: float = 1.0,
@@ -453,7 +483,7 @@ def decode_attention_with_scores(
     *,
     score_indices: torch.Tensor | None = None,
     score_update: ScoreUpdate = "add",
-    num_kv_splits: int = 8,
+    num_kv_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
     backend: Backend = "auto",
@@ -480,7 +510,8 @@ def decode_attention_with_scores(
             batch's keys, except slots whose scores are never read (their sums are then undefined).
         score_update: "add" as above; "replace" writes the sum instead of adding it; "none"
             leaves `score_buf` untouched.
-        sm_scale: logit scale; num_kv_splits: key chunks per request (split-K parallelism).
+        sm_scale: logit scale; num_kv_splits: key chunks per request (split-K parallelism;
+            default `decode_splits` for the batch, the table's width and the device).
         out: optional [B, H_q, D] output; config: Triton tiles; backend: as usual.
 
     Returns:

@@ -35,6 +35,8 @@ UNIFIED_INSERT = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.ins
 RADIX_INSERT = "sglang.srt.mem_cache.radix_cache.RadixCache.insert"
 #: AFTER: a request's own sparsity setting is checked before it is queued (`validation.make_check_setting`).
 CREATE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object"
+#: AROUND: a response's meta_info reports the setting applied (`validation.make_report_setting`).
+WAIT_RESPONSE = "sglang.srt.managers.tokenizer_manager.TokenizerManager._wait_one_response"
 #: AFTER: the scheduler's internal state carries the sparse stats (`observability.add_stats`).
 INTERNAL_STATE = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
@@ -65,6 +67,7 @@ ALL: tuple[str, ...] = (
     UNIFIED_INSERT,
     RADIX_INSERT,
     CREATE_REQUEST,
+    WAIT_RESPONSE,
     INTERNAL_STATE,
     FORWARD_BATCH,
     FORWARD_RAW,

@@ -18,6 +18,7 @@ Three hooks, in the order SGLang runs them while `ModelRunner.alloc_memory_pool`
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from typing import Any
 
@@ -31,8 +32,7 @@ from sglang_kvsparse.policies.sentences import SentenceMarks, sentence_end_token
 from sglang_kvsparse.server.accounting import footprint_table, format_footprint_table, human_bytes, kv_bytes_per_token
 from sglang_kvsparse.server.backends import BACKEND_OPTIONS, WRAPPED_BACKENDS
 from sglang_kvsparse.server.model_support import unsupported_features
-from sglang_kvsparse.server.option_support import REFUSED, refusals
-from sglang_kvsparse.server.parallelism import parallelism_problems
+from sglang_kvsparse.server.option_support import checked_values, option_problems
 from sglang_kvsparse.server.stats import describe_tables
 from sglang_kvsparse.state.layout import HeapLayout, heap_rows, scores_per_row
 from sglang_kvsparse.state.sparse_group import LaneBuffers
@@ -240,8 +240,7 @@ def check_guards(model: Any) -> None:
     an MLA model, say, would otherwise size an MHA heap from its latent cache."""
     args = get_server_args()
     problems = [f"the model has {feature}" for feature in unsupported_features(model.hf_config.to_dict())]
-    problems += parallelism_problems(getattr(args, "pp_size", 1), bool(getattr(args, "enable_dp_attention", False)))
-    problems += refusals({option.field: getattr(args, option.field, None) for option in REFUSED})
+    problems += option_problems(checked_values(args), os.environ)
     for option in BACKEND_OPTIONS:
         name = getattr(args, option, None)
         if name is not None and name not in WRAPPED_BACKENDS:

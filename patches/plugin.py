@@ -54,6 +54,7 @@ def load() -> None:
         (hooks.UNIFIED_INSERT, prefix.adopt_duplicates, HookType.AROUND),
         (hooks.RADIX_INSERT, prefix.adopt_duplicates, HookType.AROUND),
         (hooks.CREATE_REQUEST, validation.make_check_setting(config), HookType.AFTER),
+        (hooks.WAIT_RESPONSE, validation.make_report_setting(config), HookType.AROUND),
         (hooks.INTERNAL_STATE, observability.add_stats, HookType.AFTER),
         (hooks.FORWARD_BATCH, attention.with_host_indices, HookType.AFTER),
         (hooks.FORWARD_RAW, attention.release_after_forward, HookType.AFTER),

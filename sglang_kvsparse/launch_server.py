@@ -7,8 +7,9 @@ Every ``sglang.launch_server`` argument passes through unchanged. On top of it:
 - no GPU: the CPU engine, the torch-native attention backend and a bounded KV pool are chosen,
   each one stated, and only where the user did not choose; with several ranks (`--tp-size`,
   `--dp-size`) each gets its share of the CPU cores (SGLang asks for one per rank);
-- a parallel setting (`parallelism.py`) or an SGLang option (`option_support.py`) the sparse
-  layers cannot serve is refused up front;
+- an SGLang option (`option_support.py`) the sparse layers cannot serve is refused before
+  SGLang starts, from what SGLang's own parser and resolution make of the command line
+  (`patches/server_entry.py`);
 - bad input (missing model folder, port in use, invalid sparsity option) is one line, exit 2.
 """
 
@@ -21,12 +22,9 @@ import sys
 from sglang_kvsparse.config import SparsityConfigError
 from sglang_kvsparse.models import ModelUnavailableError, ensure_default_model
 from sglang_kvsparse.server.backends import BACKEND_OPTIONS
-from sglang_kvsparse.server.option_support import REFUSED
 from sglang_kvsparse.server.options import (
     add_sparsity_arguments,
     check_model,
-    check_parallelism,
-    check_sglang_options,
     export_to_processes,
     sparse_sglang_defaults,
     sparsity_from_args,
@@ -68,12 +66,9 @@ def _own_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
     parser.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1)
     parser.add_argument("--pp-size", "--pipeline-parallel-size", dest="pp_size", type=int, default=1)
-    parser.add_argument("--enable-dp-attention", action="store_true")
     parser.add_argument("--cuda-graph-backend-decode", dest="cuda_graph_backend_decode")
     for option in BACKEND_OPTIONS:
         parser.add_argument("--" + option.replace("_", "-"), dest=option)
-    for refused in REFUSED:  # its first value is enough to tell that it is in use
-        parser.add_argument(refused.flag, dest=refused.field, action=None if refused.takes_value else "store_true")
     return parser
 
 
@@ -111,8 +106,6 @@ def build_sglang_argv(argv: list[str]) -> list[str]:
     except SparsityConfigError as exc:
         raise LaunchError(str(exc)) from None
     check_model(config, model_path)
-    check_parallelism(config, own.pp_size, own.enable_dp_attention)
-    check_sglang_options(config, vars(own))
     export_to_processes(config)
     _say(f"sparsity: {config.describe()}")
     given = {

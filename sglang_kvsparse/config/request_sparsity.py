@@ -6,12 +6,19 @@ scheduler:
 
 * ``{"kvsparse": {"budget": N}}``: every sparse layer keeps N entries for this request, in place of
   the server's budgets (sink + window <= N <= the server's `max_request_budget`);
-* ``{"kvsparse": {"policy": "h2o"}}`` (or ``{"name": "span", "long_follow": 32}``, as in the server's
-  configuration): this request's keys are scored, kept and evicted by that policy, in its own
-  units, whatever the server's policy is; with or without a budget;
+* ``{"kvsparse": {"policy": "h2o"}}`` (with knobs: ``{"policy": "span", "policy.long_follow": 32}``):
+  this request's keys are scored, kept and evicted by that policy, in its own units, whatever the
+  server's policy is; with or without a budget;
 * ``{"kvsparse": {"enabled": false}}``: the request keeps every token in every layer, as in stock
   SGLang; its prompt plus max_new_tokens must be at most `max_request_budget`, so that its sparse
   rows hold it whole (they are sized by it).
+
+SGLang declares `custom_params` a dict of scalars, lists of scalars or dicts of scalars (what its
+msgpack IPC carries without pickling), so a policy's knobs are keys ``"policy.<knob>"`` beside
+``"policy"``. The setting may also be one JSON string (``{"kvsparse": "{\"budget\": 64}"}``), and
+the configuration's nested form (``"policy": {"name": "span", "long_follow": 32}``) is read too:
+the HTTP process writes every accepted setting back in the flat form (`to_params`) before the
+request leaves it, so what reaches a scheduler is always within SGLang's type.
 
 The server bounds what a request may ask: its own budget up to `max_request_budget`, a policy
 among `request_policies` with knobs in their ranges (the policies' own checks), per-request
@@ -25,6 +32,7 @@ layers keep, compress and evict each request to its own budget by its own policy
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +47,8 @@ REQUEST_KEY = "kvsparse"
 FIELD = f"custom_params.{REQUEST_KEY}"
 #: What a request may set.
 KNOWN_KEYS = ("budget", "policy", "enabled")
+#: The prefix of a policy knob's key in the flat form.
+KNOB_PREFIX = "policy."
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,28 @@ class RequestSparsity:
         parts = [] if self.budget is None else [f"budget {self.budget}"]
         parts += [] if self.policy is None else [f"policy {self.policy.describe()}"]
         return ", ".join(parts) or "server"
+
+    def to_params(self) -> dict[str, bool | int | float | str]:
+        """The setting in the flat form, within SGLang's `custom_params` type (`parse_request`
+        reads it back to an equal setting)."""
+        if not self.enabled:
+            return {"enabled": False}
+        params: dict[str, bool | int | float | str] = {} if self.budget is None else {"budget": self.budget}
+        if self.policy is not None:
+            params["policy"] = self.policy.name
+            params.update({KNOB_PREFIX + knob: value for knob, value in self.policy.options().items()})
+        return params
+
+    def applied(self, resolved: ResolvedSparsity) -> dict[str, Any]:
+        """What a response reports was applied to the request: its setting's label, the budget
+        every sparse layer kept for it (the server's distinct budgets when they differ by layer)
+        and the policy that scored it; off keeps everything."""
+        if not self.enabled:
+            return {"setting": self.label, "budget": None, "policy": None}
+        budgets = sorted({resolved.budget(layer) for layer in resolved.sparse_layers})
+        budget = self.budget if self.budget is not None else (budgets[0] if len(budgets) == 1 else budgets)
+        policy = self.policy or resolved.config.policy
+        return {"setting": self.label, "budget": budget, "policy": policy.describe()}
 
     def own_budget(self, resolved: ResolvedSparsity) -> int:
         """The budget it keeps in every group: 0 for the server's budgets; off keeps
@@ -92,12 +124,10 @@ def parse_request(custom_params: Any, resolved: ResolvedSparsity) -> RequestSpar
     naming the field for a malformed one or a budget the server cannot give."""
     if not isinstance(custom_params, dict) or custom_params.get(REQUEST_KEY) is None:
         return SERVER_SETTING
-    value = custom_params[REQUEST_KEY]
     config = resolved.config
     if not config.request_settings:
         raise ValueError(f"{FIELD}: per-request settings are off on this server (--kvsparse-request-settings off)")
-    if not isinstance(value, dict):
-        raise ValueError(f'{FIELD}: expected an object such as {{"budget": 256}}, got {value!r}')
+    value = _as_object(custom_params[REQUEST_KEY])
     for key in value:
         if key not in KNOWN_KEYS:
             raise ValueError(f"{FIELD}: unknown key {key!r} (known: {', '.join(KNOWN_KEYS)})")
@@ -129,6 +159,26 @@ def parse_request(custom_params: Any, resolved: ResolvedSparsity) -> RequestSpar
             "start it with a larger --kvsparse-max-request-budget)"
         )
     return RequestSparsity(budget=budget, policy=policy)
+
+
+def _as_object(value: Any) -> dict[str, Any]:
+    """The setting as one object: given as one (flat or nested) or as a JSON string of one; a
+    policy's "policy.<knob>" keys folded into its nested form."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass  # reported below as not an object
+    if not isinstance(value, dict):
+        example = '{"budget": 256}'
+        raise ValueError(f"{FIELD}: expected an object such as {example} (or a JSON string of one), got {value!r}")
+    setting = {key: item for key, item in value.items() if not key.startswith(KNOB_PREFIX)}
+    knobs = {key[len(KNOB_PREFIX) :]: item for key, item in value.items() if key.startswith(KNOB_PREFIX)}
+    if knobs:
+        if not isinstance(setting.get("policy"), str):
+            raise ValueError(f'{FIELD}: "{KNOB_PREFIX}<knob>" keys need "policy" given as a name beside them')
+        setting["policy"] = {"name": setting["policy"], **knobs}
+    return setting
 
 
 def check_request(

@@ -5,11 +5,16 @@ keeps, with one K and one V per token and KV head (`sparse_attention.py`). Whate
 attention adds to that would be dropped without a word: a server that starts and answers, wrongly.
 So a model whose config declares any of these is refused in one line naming the reason:
 - sliding-window, chunked or hybrid layers (a window, or layers of other kinds: linear attention,
-  state-space) - the sparse layers attend over every kept key;
+  state-space) - the sparse layers attend over every kept key; a window at least as long as the
+  model's context is never reached and is served as full attention;
 - attention logit soft-capping (Gemma 2) - the kernels do not cap logits;
+- learned attention sinks (gpt-oss) - the kernels add no sink logit to a softmax
+  (docs/experiments/2026-12-06-gpt-oss.md: what serving it would take);
 - ALiBi position biases - the kernels add no bias;
 - multi-head latent attention (DeepSeek's MLA: compressed KV, K and V of other sizes);
-- cross-attention layers and encoder-decoder models - only self-attention over the request.
+- cross-attention layers and encoder-decoder models - only self-attention over the request;
+- image, video or audio input (a multimodal config) - its tokens' K/V are not tested with sparse
+  layers, and some models attend over an image's tokens in both directions.
 The final-logit soft-capping of the LM head is not attention and is left alone. No SGLang imports.
 """
 
@@ -21,8 +26,14 @@ from typing import Any
 
 from sglang_kvsparse.server.serving_defaults import LaunchError, ModelShape
 
-#: `layer_types` entries of plain full attention (any other kind is a different layer).
+#: `layer_types` entries of plain full attention (any other kind is a different layer), and of a
+#: window, which is full attention when the window is never reached (`sliding_window`).
 FULL_ATTENTION_LAYER = "full_attention"
+SLIDING_ATTENTION_LAYER = "sliding_attention"
+#: Model types whose attention adds a learned sink logit per head (in its weights, not its config).
+ATTENTION_SINK_MODEL_TYPES = frozenset({"gpt_oss"})
+#: Config keys of a model that takes image, video or audio input beside text.
+MULTIMODAL_KEYS = ("vision_config", "audio_config", "vision_tower", "mm_vision_tower", "visual", "speech_config")
 #: Model types whose attention always adds ALiBi biases (their configs carry no flag for it).
 ALIBI_MODEL_TYPES = frozenset({"bloom"})
 
@@ -61,17 +72,33 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     )
 
 
+def sliding_window(text: dict[str, Any]) -> int:
+    """The window the model's attention applies, 0 for none: a declared window not in use (Qwen2's
+    `use_sliding_window: false`) or at least as long as the model's context (Ministral-8B's 32,768
+    of 32,768, Phi-3-mini-128k's 262,144 of 131,072) is never reached, so those layers attend over
+    every key as full attention does."""
+    if not text.get("use_sliding_window", True):
+        return 0
+    declared = [text.get(key) for key in ("sliding_window", "interleaved_sliding_window")]
+    window = max((value for value in declared if isinstance(value, int) and not isinstance(value, bool)), default=0)
+    context = text.get("max_position_embeddings") or 0
+    return 0 if context and window >= context else window
+
+
 def unsupported_features(config: dict[str, Any]) -> list[str]:
     """Why the sparse layers cannot serve this model (empty: they can)."""
     text = text_config(config)
     attn = text.get("attn_config") or {}  # MPT keeps its attention settings apart
     found = []
-    other_layers = sorted({kind for kind in text.get("layer_types") or () if kind != FULL_ATTENTION_LAYER})
+    window = sliding_window(text)
+    full_kinds = {FULL_ATTENTION_LAYER} | ({SLIDING_ATTENTION_LAYER} if window == 0 else set())
+    other_layers = sorted({kind for kind in text.get("layer_types") or () if kind not in full_kinds})
     if other_layers:
         found.append(f"layers of other kinds ({', '.join(other_layers)})")
-    window_in_use = text.get("use_sliding_window", True)  # Qwen2 declares a window it does not use
-    if window_in_use and any(text.get(key) for key in ("sliding_window", "interleaved_sliding_window")):
+    if window:
         found.append("sliding-window attention")
+    if text.get("model_type") in ATTENTION_SINK_MODEL_TYPES:
+        found.append("learned attention sinks (a logit per head the sparse kernels do not add)")
     if text.get("attention_chunk_size"):
         found.append("chunked attention")
     if text.get("attn_logit_softcapping"):
@@ -87,6 +114,9 @@ def unsupported_features(config: dict[str, Any]) -> list[str]:
         found.append("an encoder-decoder architecture")
     if any(key in text for key in ("ssm_state_size", "mamba_d_state", "linear_conv_kernel_dim")):
         found.append("state-space or linear-attention layers")
+    multimodal = sorted(key for key in MULTIMODAL_KEYS if config.get(key))
+    if multimodal:
+        found.append(f"image, video or audio input ({', '.join(multimodal)})")
     return found
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Mapping
 
 from sglang_kvsparse.config import PRESETS, SparsityConfig, SparsityConfigError, parse_config
 from sglang_kvsparse.server.backends import backend_choices
 from sglang_kvsparse.server.model_support import check_supported, model_shape, read_config
-from sglang_kvsparse.server.option_support import refusals
-from sglang_kvsparse.server.parallelism import parallelism_problems
+from sglang_kvsparse.server.option_support import option_problems
 from sglang_kvsparse.server.serving_defaults import LaunchError, ModelShape
 
 #: Environment variable carrying the effective sparsity configuration (JSON) to every process.
@@ -118,17 +118,10 @@ def check_model(config: SparsityConfig, model_path: str) -> None:
     validate_for_model(config, model_shape(model_config))
 
 
-def check_parallelism(config: SparsityConfig, pp_size: int, dp_attention: bool) -> None:
-    """With sparsity on, refuse the parallel settings the sparse layers cannot serve (one line)."""
-    problems = parallelism_problems(pp_size, dp_attention) if config.enabled else []
-    if problems:
-        raise LaunchError("kvsparse: " + "; ".join(problems))
-
-
-def check_sglang_options(config: SparsityConfig, values: dict[str, object]) -> None:
-    """With sparsity on, refuse the SGLang options the sparse layers cannot serve
-    (`option_support.REFUSED`; `values`: `ServerArgs` field -> value), in one line."""
-    problems = refusals(values) if config.enabled else []
+def check_sglang_options(config: SparsityConfig, values: Mapping[str, object]) -> None:
+    """With sparsity on, refuse the SGLang options (`values`: `ServerArgs` field -> value) and
+    environment switches the sparse layers cannot serve (`option_support`), in one line."""
+    problems = option_problems(values, os.environ) if config.enabled else []
     if problems:
         raise LaunchError("kvsparse: " + "; ".join(problems))
 

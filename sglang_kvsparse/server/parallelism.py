@@ -1,5 +1,5 @@
-"""What the sparse layers can serve past one device, and the CPU cores each rank gets (no SGLang
-imports).
+"""Why the sparse layers serve tensor and data parallelism, and the CPU cores each rank gets (no
+SGLang imports).
 
 Tensor parallelism (`--tp-size`): each rank's heap, tables and prefix store hold its own KV heads
 (SGLang's pool on that rank has only those heads), and every decision (admission, allocation,
@@ -7,9 +7,8 @@ eviction counts, store reuse) is taken from what every rank sees alike: SGLang's
 runs replicated on every rank, and the sparse state's host tables, which change only through it.
 Scores differ by rank, but they choose *which* entries a head keeps, never how many.
 Data parallelism (`--dp-size`, or replicas behind SGLang's router): each replica is a whole
-sparse server of its own. Pipeline parallelism would split the layers, and with them a column of
-sparse layers and its heap rows, over processes: refused, as is DP attention, whose attention
-ranks hold different requests under one scheduler's view.
+sparse server of its own. Pipeline parallelism, DP attention and context parallelism are refused
+(`option_support.REFUSED` says why).
 """
 
 from __future__ import annotations
@@ -18,19 +17,6 @@ import os
 
 #: SGLang's variable giving each rank's CPU cores on the CPU engine ("0-3|4-7").
 THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
-
-
-def parallelism_problems(pp_size: int, dp_attention: bool) -> list[str]:
-    """One line per parallel setting the sparse layers cannot serve (none: an empty list)."""
-    problems = []
-    if pp_size != 1:
-        problems.append(
-            f"--pp-size {pp_size}: pipeline parallelism would split a column of sparse layers and its "
-            "heap rows over processes; use --tp-size or --dp-size"
-        )
-    if dp_attention:
-        problems.append("--enable-dp-attention: attention ranks holding different requests are not supported")
-    return problems
 
 
 def cpu_thread_binding(ranks: int, cores: list[int]) -> str:

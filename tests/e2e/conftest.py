@@ -11,7 +11,8 @@ only those the collected tests ask for (CI's tier needs five, and seven do not s
 - "unchunked": the evicting server's settings without chunked prefill, with faults injected for
   requests whose rid says so (`FAULT_INJECTION`);
 - "uncached": the default preset as a user starts it with `--disable-radix-cache` and nothing
-  about chunks, so SGLang chunks at its own default size;
+  about chunks, so SGLang chunks at its own default size, its processes talking over SGLang's
+  msgpack IPC (`MSGPACK_IPC`) where every other server uses the default pickle one;
 - "stock": stock SGLang;
 - "options" and "options_stock": the lossless sparse server and stock SGLang, both with the SGLang
   options that change pages, admission and the radix tree's order (`OPTION_ARGS`,
@@ -85,7 +86,7 @@ EVICTING_ARGS = [
 #: SGLang options served with sparse layers (`option_support.SERVED`) that no other server sets:
 #: pages of 4 tokens, at most 3 running requests, prefills of at most 1,024 tokens, longest
 #: prefix first, the radix tree evicting least frequently used first, admission twice as
-#: conservative.
+#: conservative, no overlap of scheduling with the forward, two decode steps per scheduling round.
 OPTION_ARGS = [
     "--page-size",
     "4",
@@ -99,9 +100,15 @@ OPTION_ARGS = [
     "lfu",
     "--schedule-conservativeness",
     "2.0",
+    "--disable-overlap-schedule",
+    "--num-continuous-decode-steps",
+    "2",
 ]
 #: An FP8 KV cache of each format SGLang names, for the FP8 servers.
 FP8_ARGS = {"fp8": ["--kv-cache-dtype", "fp8_e4m3"], "e5m2": ["--kv-cache-dtype", "fp8_e5m2"]}
+#: SGLang's msgpack IPC between its processes in place of pickle: what it carries must be within
+#: the types SGLang declares (`custom_params` among them).
+MSGPACK_IPC = {"SGLANG_USE_PICKLE_IPC": "0"}
 #: `patches/faults.py`: requests with these rid prefixes fail in the sparse admission / prefix match.
 FAULT_ADMISSION_RID, FAULT_MATCH_RID = "kvsparse-fault-admission-", "kvsparse-fault-match-"
 FAULT_INJECTION = {"SGLANG_KVSPARSE_FAULT": f"admission:{FAULT_ADMISSION_RID},match:{FAULT_MATCH_RID}"}
@@ -158,7 +165,7 @@ def servers(request, model_path, tmp_path_factory):
         ),
         "uncached": (
             [*launcher, "--dtype", "float32", "--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS), "--disable-radix-cache"],
-            server_env(),
+            {**server_env(), **MSGPACK_IPC},
         ),
         "stock": ([PYTHON, "-m", "sglang.launch_server", *stock_args], stock_env),
         "options": (

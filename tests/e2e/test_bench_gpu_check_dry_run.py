@@ -1,6 +1,7 @@
 """The lent GPU's one script (`bench/gpu_check.py`) runs end to end in its CPU dry-run mode, so it
 is known to work before a GPU is available: the decode step's cost counted on the simulated
-device (no host sync), the fixed-buffer (graph-replay) decode against the eager one, and the
+device (no host sync), the fixed-buffer (graph-replay) decode against the eager one, the
+bandwidth step at one tiny case, and the
 serving step, which runs where SGLang imports (the Llama-3.1-8B config shrunk to 4 layers and 2
 KV heads with dummy weights and a placeholder tokenizer; stock SGLang and the sparse variant
 started, measured at two concurrencies with SGLang's own client, stopped, and reported). Its
@@ -35,7 +36,7 @@ def test_gpu_check_dry_run_passes_every_step_and_reports_every_system(tmp_path: 
             str(ROOT / "bench" / "gpu_check.py"),
             "--dry-run",
             "--steps",
-            "step-cost,graph,serving",
+            "step-cost,graph,bandwidth,serving",
             "--out-dir",
             str(tmp_path),
         ],
@@ -48,12 +49,14 @@ def test_gpu_check_dry_run_passes_every_step_and_reports_every_system(tmp_path: 
 
     [check_file] = tmp_path.glob("gpu-check-*-dry-run.json")
     check = json.loads(check_file.read_text())
-    assert check["device"] == "CPU (dry run)" and list(check["steps"]) == ["step-cost", "graph", "serving"]
+    assert check["device"] == "CPU (dry run)"
+    assert list(check["steps"]) == ["step-cost", "graph", "bandwidth", "serving"]
     assert all(step["ok"] for step in check["steps"].values())
     per_layer = check["steps"]["step-cost"]["per_layer"]
     assert set(per_layer) == {"1", "8", "64"} and all(row["syncs_per_step"] == 0 for row in per_layer.values())
     assert check["steps"]["graph"]["max_abs_difference"] <= 1e-4
     assert "| graph | yes |" in check_file.with_suffix(".md").read_text()
+    assert check["steps"]["bandwidth"]["copy_gb_s"] > 0 and len(check["steps"]["bandwidth"]["decode"]) == 1
 
     [report_file] = tmp_path.glob("gpu-check-serving-dry-run-*.json")
     report = json.loads(report_file.read_text())

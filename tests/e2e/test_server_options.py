@@ -1,7 +1,8 @@
 """SGLang options served with sparse layers (`option_support.SERVED`): pages of 4 tokens, a cap
 on running requests, a prefill token cap, longest-prefix-first scheduling, LFU eviction in the
-radix tree and a more conservative admission (`OPTION_ARGS`), on the lossless sparse server and
-on stock SGLang with the same options. The refused ones: `tests/unit/test_option_support.py` and
+radix tree, a more conservative admission, no overlap scheduling and two decode steps per round
+(`OPTION_ARGS`), on the lossless sparse server and on stock SGLang with the same options. The
+refused ones: `tests/unit/test_option_support.py`, `tests/integration/test_option_groups.py` and
 `tests/integration/test_launcher_errors.py`."""
 
 from __future__ import annotations

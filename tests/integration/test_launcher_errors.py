@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -11,12 +12,13 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-def _launch(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+def _launch(*args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "sglang_kvsparse.launch_server", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -47,14 +49,38 @@ def test_port_in_use():
         (["--kvsparse-budget", "16"], "--kvsparse-budget: 16 is smaller than sink + window"),
         (["--kvsparse-config", '{"policy": "nope"}'], "unknown policy"),
         (["--kvsparse-preset", "off", "--kvsparse-budget", "512"], "has no effect while sparsity is off"),
-        (["--pp-size", "2"], "--pp-size 2: pipeline parallelism would split a column of sparse layers"),
-        (["--tp-size", "2", "--enable-dp-attention"], "--enable-dp-attention: attention ranks holding"),
-        (["--enable-hierarchical-cache"], "--enable-hierarchical-cache: copies the KV pool's rows to host memory"),
         (["--kvsparse-request-policies", "span,lru"], "--kvsparse-request-policies: unknown policy 'lru'"),
     ],
 )
 def test_invalid_sparsity_option(args, expected):
     _assert_one_line_error(_launch(*args), expected)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--pipeline-parallel-size", "2"], "--pp-size 2: pipeline parallelism would split a column of sparse layers"),
+        (["--tp-size", "2", "--attention-data-parallel-size", "2"], "--attn-dp-size 2: DP attention gives ranks"),
+        (["--dp-size", "2", "--enable-dp-attention"], "--enable-dp-attention: DP attention gives ranks"),
+        (["--tp-size", "2", "--dcp-size", "2"], "--dcp-size 2: decode context parallelism splits a request's"),
+        (["--enable-hicache"], "--enable-hierarchical-cache: copies the KV pool's rows to host memory"),
+        (["--radix-cache-backend", "mine"], "--radix-cache-backend mine: replaces SGLang's radix tree"),
+        (["--enable-two-batch-overlap"], "--enable-two-batch-overlap: splits a batch into two micro-batches"),
+        (
+            ["--cuda-graph-config", '{"prefill": {"backend": "breakable"}}'],
+            "--cuda-graph-backend-prefill breakable (or in --cuda-graph-config): sparse layers run prefill graphs",
+        ),
+    ],
+)
+def test_an_sglang_option_the_sparse_layers_cannot_serve_is_refused_however_it_is_spelled(args, expected):
+    """Read from what SGLang's parser and resolution make of the command line (aliases, deprecated
+    flags, JSON settings alike), before any SGLang process starts."""
+    _assert_one_line_error(_launch(*args), expected)
+
+
+def test_the_metadata_glue_graph_is_refused():
+    result = _launch(env={"SGLANG_ENABLE_METADATA_GLUE_GRAPH": "1"})
+    _assert_one_line_error(result, "SGLANG_ENABLE_METADATA_GLUE_GRAPH=1: captures the attention backend's host")
 
 
 def test_unknown_sglang_option():

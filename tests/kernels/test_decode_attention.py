@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from sglang_kvsparse.kernels import DecodeConfig, decode_attention_with_scores
+from sglang_kvsparse.kernels.decode_attention import decode_splits
 from sglang_kvsparse.kernels.testing import as_table, decode_queries, kv_lens_of, make_ragged_batch, rel_error
 
 OUT_REL = {torch.float32: 1e-5, torch.float16: 5e-3}
@@ -170,3 +171,28 @@ def test_decode_rejects_mismatched_shapes():
         decode_attention_with_scores(*args, kv_lens_of(batch), table, score_buf, 0.1, score_indices=table[:, :2])
     with pytest.raises(ValueError, match="score_update must be one of add, replace, none; got 'max'"):
         decode_attention_with_scores(*args, kv_lens_of(batch), as_table(batch), score_buf, 0.1, score_update="max")
+
+
+@pytest.mark.parametrize(
+    ("batch", "kv_heads", "width", "processors", "splits"),
+    [
+        (1, 8, 1104, 132, 8),  # one request at the default budget's width: cut to chunks of >= 128 keys
+        (1, 8, 32768, 132, 16),  # a long full row: at most MAX_SPLITS
+        (16, 8, 1104, 132, 4),  # 16 x 8 programs, 528 wanted
+        (64, 8, 1104, 132, 2),  # 512 programs: just short of 4 per SM
+        (128, 8, 1104, 132, 1),  # already 4 programs per SM
+        (3, 2, 64, 1, 1),  # the interpreter: one processor
+    ],
+)
+def test_decode_splits_fill_the_device_from_the_batch_and_the_tables_width(batch, kv_heads, width, processors, splits):
+    assert decode_splits(batch, kv_heads, width, processors) == splits
+
+
+def test_the_default_splits_match_the_reference(device):
+    """No `num_kv_splits`: the kernel picks them (`decode_splits`) and agrees with the reference."""
+    batch = make_ragged_batch(
+        [0, 0], [150, 61], num_kv_heads=2, group=4, head_dim=64, dtype=torch.float32, device=device
+    )
+    q = decode_queries(batch)
+    (o, scores), (o_ref, scores_ref) = run_both(batch, q, num_kv_splits=None)
+    assert rel_error(o, o_ref) < 1e-4 and rel_error(scores, scores_ref) < 1e-4

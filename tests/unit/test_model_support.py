@@ -23,8 +23,25 @@ REFUSED = {
         ["layers of other kinds (sliding_attention)", "sliding-window attention"],
     ),
     "mistral-7b-v0.1 (sliding window)": (
-        {"model_type": "mistral", "sliding_window": 4096},
+        {"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768},
         ["sliding-window attention"],
+    ),
+    "gpt-oss-20b (window layers, attention sinks)": (
+        {
+            "model_type": "gpt_oss",
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "sliding_window": 128,
+            "max_position_embeddings": 131072,
+            "layer_types": ["sliding_attention", "full_attention"] * 12,
+            "num_local_experts": 32,
+        },
+        [
+            "layers of other kinds (sliding_attention)",
+            "sliding-window attention",
+            "learned attention sinks (a logit per head the sparse kernels do not add)",
+        ],
     ),
     "llama-4 (chunked attention)": ({"model_type": "llama4_text", "attention_chunk_size": 8192}, ["chunked attention"]),
     "qwen3-next (linear attention)": (
@@ -49,6 +66,14 @@ REFUSED = {
         {"model_type": "mllama", "text_config": {**SHAPE, "cross_attention_layers": [3, 8]}},
         ["cross-attention layers"],
     ),
+    "qwen2.5-vl (images and video)": (
+        {"model_type": "qwen2_5_vl", "vision_config": {"depth": 32, "hidden_size": 1280}},
+        ["image, video or audio input (vision_config)"],
+    ),
+    "qwen2-audio (audio)": (
+        {"model_type": "qwen2_audio", "audio_config": {"d_model": 1280}, "text_config": SHAPE},
+        ["image, video or audio input (audio_config)"],
+    ),
     "t5 (encoder-decoder)": ({"model_type": "t5", "is_encoder_decoder": True}, ["an encoder-decoder architecture"]),
 }
 
@@ -58,6 +83,22 @@ SERVED = {
     "mistral-nemo (no window)": {"model_type": "mistral", "sliding_window": None},
     "gemma-2-style final-logit soft-capping only": {"model_type": "x", "final_logit_softcapping": 30.0},
     "falcon without alibi": {"model_type": "falcon", "alibi": False},
+    "ministral-8b-2410 (window of the whole context)": {
+        "model_type": "mistral",
+        "sliding_window": 32768,
+        "max_position_embeddings": 32768,
+    },
+    "phi-3-mini-128k (window past the context)": {
+        "model_type": "phi3",
+        "sliding_window": 262144,
+        "max_position_embeddings": 131072,
+    },
+    "window layers whose window is never reached": {
+        "model_type": "x",
+        "sliding_window": 8192,
+        "max_position_embeddings": 8192,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
 }
 
 

@@ -1,4 +1,4 @@
-"""Past one device: what is refused, each CPU rank's cores, and the stats of several ranks and
+"""Past one device: each CPU rank's cores, and the stats of several ranks and
 replicas combined (counts that must agree over TP ranks, bytes that add up, replicas summed)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from sglang_kvsparse.server.parallelism import cpu_thread_binding, parallelism_problems
+from sglang_kvsparse.server.parallelism import cpu_thread_binding
 from sglang_kvsparse.server.stats import (
     REPLICA_COUNTS,
     GroupStats,
@@ -18,13 +18,6 @@ from sglang_kvsparse.server.stats import (
     combine_replicas,
     combine_tp_ranks,
 )
-
-
-def test_only_pipeline_parallelism_and_dp_attention_are_refused():
-    assert parallelism_problems(1, False) == []
-    [pipeline] = parallelism_problems(2, False)
-    assert pipeline.startswith("--pp-size 2: pipeline parallelism")
-    assert len(parallelism_problems(2, True)) == 2
 
 
 @pytest.mark.parametrize(

@@ -54,7 +54,11 @@ def test_a_request_asks_for_its_own_budget_or_for_no_sparsity():
 @pytest.mark.parametrize(
     "value, message",
     [
-        (256, 'custom_params.kvsparse: expected an object such as {"budget": 256}, got 256'),
+        (256, 'custom_params.kvsparse: expected an object such as {"budget": 256} (or a JSON string of one), got 256'),
+        ("budget 64", "custom_params.kvsparse: expected an object such as"),
+        ('{"budget": 8}', "custom_params.kvsparse.budget: 8 is smaller than the server's sink + window"),
+        ({"policy.long_follow": 8}, 'custom_params.kvsparse: "policy.<knob>" keys need "policy" given as a name'),
+        ({"policy": "span", "policy.nope": 8}, "custom_params.kvsparse.policy.nope: unknown knob of policy 'span'"),
         ({"budgte": 8}, "custom_params.kvsparse: unknown key 'budgte' (known: budget, policy, enabled)"),
         ({"enabled": "no"}, "custom_params.kvsparse.enabled: expected true or false, got 'no'"),
         ({"budget": "64"}, "custom_params.kvsparse.budget: expected an integer, got '64'"),
@@ -85,6 +89,39 @@ def test_a_bad_setting_is_refused_naming_the_field(value, message):
     with pytest.raises(ValueError) as error:
         check_request({"kvsparse": value}, 100, 10, RESOLVED)
     assert str(error.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"budget": 30, "policy": "span", "policy.long_follow": 32},
+        '{"budget": 30, "policy": {"name": "span", "long_follow": 32}}',
+        {"budget": 30, "policy": {"name": "span", "long_follow": 32}},
+    ],
+    ids=["flat", "json-string", "nested"],
+)
+def test_each_form_of_a_setting_reads_the_same_and_goes_on_in_sglangs_type(value):
+    """The flat form and a JSON string are within SGLang's `custom_params` type; the nested one is
+    read too. Each is written back flat (`to_params`: scalars only), which reads back the same."""
+    setting = parse_request({"kvsparse": value}, RESOLVED)
+    assert setting == RequestSparsity(budget=30, policy=SpanPolicy(long_follow=32))
+    flat = setting.to_params()
+    assert flat == {"budget": 30, "policy": "span", "policy.long_follow": 32, "policy.sentence": 0.5}
+    assert all(isinstance(item, (bool, int, float, str)) for item in flat.values())
+    assert parse_request({"kvsparse": flat}, RESOLVED) == setting
+    for other in (SERVER_SETTING, RequestSparsity(enabled=False), RequestSparsity(policy=POLICIES["h2o"]())):
+        assert parse_request({"kvsparse": other.to_params()}, RESOLVED) == other
+
+
+def test_a_response_reports_the_setting_applied():
+    assert SERVER_SETTING.applied(RESOLVED) == {
+        "setting": "server",
+        "budget": 64,
+        "policy": "snapkv (pool_kind max, pool_kernel 15)",
+    }
+    own = RequestSparsity(budget=30, policy=POLICIES["h2o"]())
+    assert own.applied(RESOLVED) == {"setting": "budget 30, policy h2o", "budget": 30, "policy": "h2o"}
+    assert RequestSparsity(enabled=False).applied(RESOLVED) == {"setting": "off", "budget": None, "policy": None}
 
 
 def test_the_server_chooses_which_policies_a_request_may_pick_and_whether_it_may_ask_at_all():
