@@ -6,13 +6,16 @@
 At Llama-3.1-8B's KV shape (32 layers, 8 KV heads, head dim 128, bf16; `bench/models/llama-3.1-8b`)
 with the default preset (layer 0 full, 31 sparse layers at budget 1,024), requests decode in
 batches of 1, 8, 64 and 128 at contexts above the budget. They joined at different steps, so their
-rows reach budget + evict_page at different steps and most steps of a large batch evict. For
-every decode step it counts, by section of the step:
+rows reach budget + evict_page at different steps and most steps of a large batch evict. Each step
+is driven as SGLang's decode graph runner drives the backend's sparse side (`SparseForward`: its
+fixed buffers made once, `begin_replay` before each replay, the layers over the buffers), and for
+every decode step it counts, by section of the step (allocation, before replay, layers, release):
 
 * **launches**: device ops the sparse machinery issues (each project kernel counted as its
   Triton launches), from SGLang's allocation hook to the release after the forward;
 * **host syncs**: reads of device values, blocking or pageable copies, data-dependent shapes;
-* the host time of allocation, planning and release (this machine's; the counts are the contract).
+* the host time of allocation, the work before the replay and release (this machine's; the counts
+  are the contract).
 
 SGLang's own work (its token allocator's ids, the full layers, the model) is not counted: the
 question is what sparsity adds. Nothing here needs SGLang: the heap is SGLang's token allocator as
@@ -46,10 +49,8 @@ from common.report import ReportPaths, provenance, write_json  # noqa: E402
 
 from sglang_kvsparse import kernels  # noqa: E402
 from sglang_kvsparse.config import PRESETS, SparsityConfig  # noqa: E402
-from sglang_kvsparse.forward.decode_graph import DecodeBuffers  # noqa: E402
-from sglang_kvsparse.forward.eviction import evict_planned  # noqa: E402
-from sglang_kvsparse.forward.planning import plan_decode, plan_extend  # noqa: E402
-from sglang_kvsparse.forward.sparse_attention import sparse_decode  # noqa: E402
+from sglang_kvsparse.forward.planning import plan_extend  # noqa: E402
+from sglang_kvsparse.forward.sparse_forward import SparseForward  # noqa: E402
 from sglang_kvsparse.patches.allocator import attach, make_heap  # noqa: E402
 from sglang_kvsparse.policies.sentences import SentenceMarks  # noqa: E402
 from sglang_kvsparse.state.admission import rows_for_next_decode  # noqa: E402
@@ -58,12 +59,14 @@ from sglang_kvsparse.state.layout import HeapLayout, scores_per_row  # noqa: E40
 from sglang_kvsparse.state.sparse_group import LaneBuffers  # noqa: E402
 from sglang_kvsparse.state.sparse_state import SparseState  # noqa: E402
 
-SECTIONS = ("allocation", "planning", "eviction", "layers", "release")
-#: Before a captured decode step replays: the plan's tables copied into the graph's fixed
-#: buffers (`decode_graph.DecodeBuffers.fill`). With graphs, the layers replay for free and what
-#: a step launches from the host is allocation, planning, eviction, this and release.
-GRAPH_FILL = "graph fill"
-OUTSIDE_GRAPH = ("allocation", "planning", "eviction", GRAPH_FILL, "release")
+#: A decode step as SGLang's graph runner drives the backend: SGLang's allocation hook, then
+#: before the replay `SparseForward.begin_replay` (the sentence marks, the plan from the host
+#: tables, its evictions, the plan copied into the graph's fixed buffers), then the captured step
+#: (`SparseForward.decode` for every sparse layer over those buffers), then the release.
+BEFORE_REPLAY = "before replay"
+SECTIONS = ("allocation", BEFORE_REPLAY, "layers", "release")
+#: What a step launches from the host with decode graphs on: all but the replayed layers.
+OUTSIDE_GRAPH = ("allocation", BEFORE_REPLAY, "release")
 #: A dry run's model and configuration (`--small`; the unit tests run it too).
 SMALL_SHAPE = {
     "num_hidden_layers": 6,
@@ -171,7 +174,8 @@ class Harness:
             sentence_marks=SentenceMarks(ends, self.rows + 1, device),
         )
         attach(self.allocator, self.state)
-        self.graph_buffers = DecodeBuffers(self.state, batch, device)
+        self.forward = SparseForward(self.state)
+        self.forward.init_graph(batch)
         self.gen = torch.Generator().manual_seed(seed)
         self.running: dict[int, Request] = {}
         self.free_rows = list(range(self.max_requests - 1, 0, -1))
@@ -233,24 +237,19 @@ class Harness:
             rows_for_next_decode(state, rows)  # SGLang's decode check asks the heap
             state.alloc_to_lengths(req_pool_indices_cpu=torch.tensor(rows), target_seq_lens_cpu=lengths + 1)
         tokens = self._tokens(len(rows))  # the step's input ids, on the device as SGLang's are
-        with timed("planning"):
-            state.sentence_marks.record(ids, tokens)
-            plan = plan_decode(state, rows, self.device)
-        evicting = bool(plan.evictions)
-        with timed("eviction"):
-            evict_planned(plan, state.layout, state.lanes, state.policy)
+        evictions = state.counters.evictions
+        with timed(BEFORE_REPLAY):
+            self.forward.begin_replay(rows, len(rows), ids, tokens)
+        evicting = state.counters.evictions > evictions
         q = self._random(len(rows), self.q_heads, self.head_dim)
         k, v = (
             self._random(len(rows), self.kv_heads, self.head_dim),
             self._random(len(rows), self.kv_heads, self.head_dim),
         )
         (positions,) = upload([lengths], self.device)
-        with timed(GRAPH_FILL):
-            self.graph_buffers.fill(plan)
         with timed("layers"):
-            for place in state.layout.layer_places.values():
-                column = plan.column(place)
-                sparse_decode(q, k, v, 0.088, plan, column, state.lanes[place.lane], state.policy, positions)
+            for layer in state.layout.layer_places:
+                self.forward.decode(q, k, v, layer, 0.088, positions)
         for place, request in enumerate(requests):  # the harness's own bookkeeping
             request.length += 1
             request.ids.append(ids[place : place + 1])
@@ -264,7 +263,7 @@ class Harness:
         return {
             "batch": len(rows),
             "evicting": evicting,
-            "launches": {section: cost.launches[section] for section in (*SECTIONS, GRAPH_FILL)},
+            "launches": {section: cost.launches[section] for section in SECTIONS},
             "syncs": {section: cost.syncs[section] for section in SECTIONS},
             "sync_kinds": {kind: n for kind, n in cost.sync_kinds.items() if kind.split(":")[0] in SECTIONS},
             "host_ms": {section: 1000 * seconds for section, seconds in timings.items()},
@@ -359,9 +358,7 @@ def summarize(run: Run, sparse_layers: int) -> dict[str, Any]:
             "launches_per_layer_mean": sum(totals) / len(totals) / sparse_layers,
             "launches_per_layer_max": max(totals) / sparse_layers,
             "outside_graph_mean": sum(sum(step["launches"][s] for s in OUTSIDE_GRAPH) for step in steps) / len(steps),
-            "by_section_mean": {
-                s: sum(step["launches"][s] for step in steps) / len(steps) for s in (*SECTIONS, GRAPH_FILL)
-            },
+            "by_section_mean": {s: sum(step["launches"][s] for step in steps) / len(steps) for s in SECTIONS},
             "syncs_mean": sum(syncs) / len(syncs),
             "syncs_max": max(syncs),
             "syncs_by_section_mean": {s: sum(step["syncs"][s] for step in steps) / len(steps) for s in SECTIONS},
@@ -393,13 +390,15 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['settings']['budget']}, evict page {report['settings']['evict_page']})",
         f"- Command: `{' '.join(report['provenance']['command'])}`",
         "",
-        "Launches and host syncs per decode step that the sparse layers add (allocation hook, "
-        "planning, eviction, the sparse layers, release), counted per op (`bench/common/device_cost.py`), "
-        "each project kernel as its Triton launches. Per layer = per step / sparse layers.",
+        "Launches and host syncs per decode step that the sparse layers add, driven as SGLang's graph runner "
+        "drives the backend (allocation hook; before the replay `SparseForward.begin_replay`: marks, plan, "
+        "evictions, the graph's buffers filled; the sparse layers over those buffers; release), counted per "
+        "op (`bench/common/device_cost.py`), each project kernel as its Triton launches. Per layer = per "
+        "step / sparse layers.",
         "",
         "| batch | steps (evicting) | launches/step | per layer, all steps | per layer, eviction steps (max) "
         "| per layer, other steps | syncs/step (max) | outside a captured graph, per step "
-        "| host ms: alloc / plan / release |",
+        "| host ms: alloc / before replay / release |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in report["runs"]:
@@ -416,7 +415,7 @@ def markdown(report: dict[str, Any]) -> str:
             + " | "
             + (f"{other['launches_per_layer_mean']:.2f}" if other["steps"] else "—")
             + f" | {every['syncs_mean']:.2f} ({every['syncs_max']}) | {every['outside_graph_mean']:.1f} | "
-            f"{host['allocation']:.2f} / {host['planning']:.2f} / {host['release']:.2f} |"
+            f"{host['allocation']:.2f} / {host[BEFORE_REPLAY]:.2f} / {host['release']:.2f} |"
         )
     runs = report["runs"]
     spread = runs[-1]["all_steps"]["launches_per_layer_mean"] / runs[0]["all_steps"]["launches_per_layer_mean"]
@@ -425,11 +424,11 @@ def markdown(report: dict[str, Any]) -> str:
         f"Per layer over all steps, batch {runs[-1]['batch']} against batch {runs[0]['batch']}: {spread:.3f}x "
         "(the target: within 10%).",
         "",
-        "Launches per step by section (mean over all steps). An eager step launches the first five; with "
-        f"SGLang's decode graph the layers replay and the step launches {', '.join(OUTSIDE_GRAPH)}.",
+        "Launches per step by section (mean over all steps). With SGLang's decode graph the layers replay "
+        f"and the step launches {', '.join(OUTSIDE_GRAPH)} from the host.",
         "",
     ]
-    sections = (*SECTIONS, GRAPH_FILL)
+    sections = SECTIONS
     lines += ["| batch | " + " | ".join(sections) + " |", "|---:|" + "---:|" * len(sections)]
     for row in report["runs"]:
         by = row["all_steps"]["by_section_mean"]
@@ -446,7 +445,7 @@ def markdown(report: dict[str, Any]) -> str:
     for before in report.get("before") or ():
         lines += [
             "",
-            f"## Before (commit `{before['provenance']['commit'][:10]}`, the same harness)",
+            f"## Before (commit `{before['provenance']['commit'][:10]}`: that commit's harness)",
             "",
             "| batch | per layer, all steps | per layer, eviction steps | syncs/step |",
             "|---:|---:|---:|---:|",
@@ -461,9 +460,10 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "Host milliseconds are this machine's medians. Allocation and release (`finish_forward`) touch "
-        "no device tensor and run outside the counting mode: their time is the host's own. Planning "
-        "dispatches device ops, so its time includes the counting mode's Python work on each op and, on "
-        "the simulated device, the ops themselves run on this CPU. The counts are what carries to a GPU.",
+        "no device tensor and run outside the counting mode: their time is the host's own. The work "
+        "before the replay dispatches device ops, so its time includes the counting mode's Python work on "
+        "each op and, on the simulated device, the ops themselves run on this CPU. The counts are what "
+        "carries to a GPU.",
     ]
     return "\n".join(lines) + "\n"
 

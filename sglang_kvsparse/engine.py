@@ -13,7 +13,7 @@ import argparse
 import logging
 from typing import Any
 
-from sglang_kvsparse.models import ensure_default_model
+from sglang_kvsparse.models import ensure_default_model, resolve_model_path
 from sglang_kvsparse.server.options import (
     SPARSITY_OPTIONS,
     check_model,
@@ -38,6 +38,7 @@ def Engine(**kwargs: Any):  # noqa: N802 - named like the sglang.Engine it retur
     if kwargs.get("model_path") is None:
         kwargs["model_path"] = str(ensure_default_model())
     else:
+        kwargs["model_path"] = resolve_model_path(kwargs["model_path"], log=logger.info)
         check_model_path(kwargs["model_path"])
     config = sparsity_from_args(sparsity)
     check_model(config, kwargs["model_path"])

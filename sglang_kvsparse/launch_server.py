@@ -3,7 +3,8 @@
 Every ``sglang.launch_server`` argument passes through unchanged. On top of it:
 - ``--kvsparse-*`` options (docs/config.md), validated against the model before SGLang starts,
   and a model the sparse layers would serve wrongly refused (`model_support.py`);
-- no ``--model-path``: the embedded default model (SmolLM2-135M-Instruct) is served;
+- no ``--model-path``: the embedded default model (SmolLM2-135M-Instruct) is served; an embedded
+  model's short name (``--model-path gemma-3-270m``, `models.MODELS`) serves that one;
 - no GPU: the CPU engine, the torch-native attention backend and a bounded KV pool are chosen,
   each one stated, and only where the user did not choose; with several ranks (`--tp-size`,
   `--dp-size`) each gets its share of the CPU cores (SGLang asks for one per rank);
@@ -20,7 +21,7 @@ import os
 import sys
 
 from sglang_kvsparse.config import SparsityConfigError
-from sglang_kvsparse.models import ModelUnavailableError, ensure_default_model
+from sglang_kvsparse.models import ModelUnavailableError, ensure_default_model, resolve_model_path
 from sglang_kvsparse.server.backends import BACKEND_OPTIONS
 from sglang_kvsparse.server.options import (
     add_sparsity_arguments,
@@ -43,6 +44,7 @@ from sglang_kvsparse.server.serving_defaults import (
 _PREFIX = "[sglang-kvsparse]"
 _DEFAULT_HOST = "127.0.0.1"
 _DEFAULT_PORT = 30000
+_MODEL_OPTIONS = ("--model-path", "--model")
 
 
 def _say(message: str) -> None:
@@ -96,7 +98,10 @@ def build_sglang_argv(argv: list[str]) -> list[str]:
         sglang_argv = ["--model-path", model_path, *sglang_argv]
         _say(f"no --model-path: serving the embedded default model {model_path}")
     else:
-        model_path = own.model_path
+        model_path = resolve_model_path(own.model_path, log=_say)
+        if model_path != own.model_path:
+            sglang_argv = _with_model_path(sglang_argv, model_path)
+            _say(f"--model-path {own.model_path}: the embedded model {model_path}")
         check_model_path(model_path)
 
     check_port_free(own.host, own.port)
@@ -133,6 +138,21 @@ def build_sglang_argv(argv: list[str]) -> list[str]:
                 raise LaunchError(f"{ranks} ranks on the CPU: {exc}") from None
             _say(f"{ranks} ranks on the CPU: {THREADS_BIND_ENV}={os.environ[THREADS_BIND_ENV]} (cores per rank)")
     return sglang_argv
+
+
+def _with_model_path(argv: list[str], model_path: str) -> list[str]:
+    """`argv` with the value of its model option (`--model-path X`, `--model X`, `--model-path=X`)
+    replaced by `model_path`."""
+    out: list[str] = []
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        if out and out[-1] in _MODEL_OPTIONS and "=" not in out[-1]:
+            out.append(model_path)
+        elif name in _MODEL_OPTIONS and "=" in arg:
+            out.append(f"{name}={model_path}")
+        else:
+            out.append(arg)
+    return out
 
 
 def _strip_sparsity_options(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:

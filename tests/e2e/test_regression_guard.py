@@ -34,14 +34,19 @@ GUARD = (
 BUDGETS = (128, 256)
 
 
-def test_the_default_still_answers_the_guard_prompts_at_128_and_256(uncached_server):
-    prompts = chosen_prompts(list(FROZEN_SUITE.seeds), list(FROZEN_SUITE.tasks), [2000, 3000])
-    guard = [p for p in prompts if p.prompt_id in GUARD]
-    assert len(guard) == len(GUARD)
-    lost = [
-        (p.prompt_id, budget, answer["output"])
-        for p in guard
-        for budget in BUDGETS
-        if not (answer := ask(uncached_server.url, p, {"budget": budget}))["correct"]
+def lost_answers(url: str, guard: dict[int, tuple[str, ...]]) -> list[tuple[str, int, str]]:
+    """The guard's prompts (budget -> prompt ids) the server at `url` no longer answers: (prompt id,
+    budget, output) each."""
+    prompts = {p.prompt_id: p for p in chosen_prompts(list(FROZEN_SUITE.seeds), list(FROZEN_SUITE.tasks), [2000, 3000])}
+    assert all(prompt_id in prompts for ids in guard.values() for prompt_id in ids)
+    return [
+        (prompt_id, budget, answer["output"])
+        for budget, ids in guard.items()
+        for prompt_id in ids
+        if not (answer := ask(url, prompts[prompt_id], {"budget": budget}))["correct"]
     ]
+
+
+def test_the_default_still_answers_the_guard_prompts_at_128_and_256(uncached_server):
+    lost = lost_answers(uncached_server.url, dict.fromkeys(BUDGETS, GUARD))
     assert not lost, lost

@@ -70,8 +70,8 @@ def test_decode_steps_wait_for_nothing_and_launch_the_same_at_every_batch_size(p
         assert all(sum(step["syncs"].values()) == 0 for step in run.steps), [s["sync_kinds"] for s in run.steps]
         assert all(step["launches"]["allocation"] == 0 for step in run.steps)  # host tables only
 
-        def forward(step):  # the step's plan, evictions and layers (a release copies finished requests' ids)
-            return step["launches"]["planning"] + step["launches"]["eviction"] + step["launches"]["layers"]
+        def forward(step):  # before the replay and the layers (a release copies finished requests' ids)
+            return step["launches"][step_cost.BEFORE_REPLAY] + step["launches"]["layers"]
 
         evicting = [forward(step) for step in run.steps if step["evicting"]]
         other = [forward(step) for step in run.steps if not step["evicting"]]
