@@ -106,6 +106,7 @@ def _decode_partial_kernel(
     kv_indices,
     qk_scale,
     v_scale,
+    window,
     stride_ib,
     stride_in,
     stride_qb,
@@ -135,8 +136,9 @@ def _decode_partial_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     kv_len = tl.load(kv_lens + req)
-    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    lo = tl.where(window > 0, tl.maximum(kv_len - window, 0), 0)  # the row's first visible key
+    chunk = tl.cdiv(tl.cdiv(kv_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
     end = tl.minimum(start + chunk, kv_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -210,6 +212,7 @@ def _decode_finalize_kernel(
     LOGITS,
     kv_lens,
     score_indices,
+    window,
     stride_sib,
     stride_sin,
     stride_ob,
@@ -274,8 +277,9 @@ def _decode_finalize_kernel(
     if UPDATE == 2:  # "none"
         return
 
-    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    lo = tl.where(window > 0, tl.maximum(kv_len - window, 0), 0)
+    chunk = tl.cdiv(tl.cdiv(kv_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
     end = tl.minimum(start + chunk, kv_len)
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
@@ -310,8 +314,10 @@ def decode_attention_with_scores_triton(
     config: DecodeConfig | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """Triton implementation; see :func:`decode_attention_with_scores` for the contract."""
+    _check_window(window)
     if num_kv_splits is not None and num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     update = _update_index(score_update)
@@ -344,6 +350,7 @@ def decode_attention_with_scores_triton(
         kv_indices,
         sm_scale * LOG2E * k_scale,
         v_scale,
+        window,
         kv_indices.stride(0),
         kv_indices.stride(1),
         q.stride(0),
@@ -379,6 +386,7 @@ def decode_attention_with_scores_triton(
         logits,
         kv_lens,
         score_indices,
+        window,
         score_indices.stride(0),
         score_indices.stride(1),
         o.stride(0),
@@ -421,6 +429,7 @@ def decode_attention_with_scores_torch(
     config: DecodeConfig | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """Plain-torch reference in at least float32, the whole batch at once over the padded rows
     (masked past each length), so it never asks the host for a length: the CPU server's decode
@@ -430,6 +439,7 @@ def decode_attention_with_scores_torch(
     parity (splitting does not change the result beyond rounding).
     """
     del num_kv_splits, config
+    _check_window(window)
     _update_index(score_update)  # validates
     group = check_group(q.shape[1], k_buf.shape[1])
     score_indices = _check_table(q, kv_lens, kv_indices, score_indices)
@@ -445,7 +455,13 @@ def decode_attention_with_scores_torch(
     k = k_buf.index_select(0, kv_indices.reshape(-1)).view(batch, width, heads, dim).to(acc_dtype)
     v = v_buf.index_select(0, kv_indices.reshape(-1)).view(batch, width, heads, dim).to(acc_dtype)
     qb = q.to(acc_dtype).unflatten(1, (heads, group))  # [B, H_kv, G, D]
-    padding = (torch.arange(width, device=q.device) >= kv_lens[:, None])[:, None, None, :]  # [B, 1, 1, W]
+    entry = torch.arange(width, device=q.device)
+    # Past each length (padding), and with a window before its last `window` keys: not attended,
+    # scores left alone.
+    padding = entry >= kv_lens[:, None]
+    if window:
+        padding |= entry < kv_lens[:, None] - window
+    padding = padding[:, None, None, :]  # [B, 1, 1, W]
     out = o.view(batch, heads, group, dim)
     few = batch * width <= _FEW_KEYS
     if few:
@@ -462,8 +478,9 @@ def decode_attention_with_scores_torch(
     if score_update == "none":
         return o
     mass = probs.sum(dim=2).transpose(1, 2).reshape(batch * width, heads)  # [B * W, H_kv]
-    # Padding adds its zeros to slot 0, not to the slot it names (another request's, whose bytes
-    # an added zero could still change, e.g. a flushed denormal): as the kernel, which skips it.
+    # Padding (and keys before a window) add their zeros to slot 0, not to the slot they name
+    # (another request's or their own, whose bytes an added zero could still change, e.g. a flushed
+    # denormal): as the kernel, which skips them.
     pad = padding[:, 0, 0, :].reshape(-1, 1)
     slots = score_indices.masked_fill(padding[:, 0, 0, :], 0).reshape(-1)
     if score_update == "replace":  # added as a difference: no boolean mask, so no wait on the device
@@ -489,6 +506,7 @@ def decode_attention_with_scores(
     backend: Backend = "auto",
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """One decode step of attention that also updates each key's score with its probability.
 
@@ -513,6 +531,9 @@ def decode_attention_with_scores(
         sm_scale: logit scale; num_kv_splits: key chunks per request (split-K parallelism;
             default `decode_splits` for the batch, the table's width and the device).
         out: optional [B, H_q, D] output; config: Triton tiles; backend: as usual.
+        window: with W > 0 each request attends only to the last W entries of its row (a sliding
+            window over a row in position order, the new token's own key the last); the entries
+            before it are neither read nor scored. 0: every entry.
 
     Returns:
         o [B, H_q, D] in q's dtype.
@@ -537,7 +558,13 @@ def decode_attention_with_scores(
         config=config,
         k_scale=k_scale,
         v_scale=v_scale,
+        window=window,
     )
+
+
+def _check_window(window: int) -> None:
+    if window < 0:
+        raise ValueError(f"window must be 0 (every entry) or positive, got {window}")
 
 
 def _update_index(score_update: str) -> int:

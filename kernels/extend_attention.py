@@ -67,6 +67,7 @@ def _attend_block(
     n0,
     kv_head,
     pos,
+    lower,
     qk_scale,
     stride_kt,
     stride_kh,
@@ -79,7 +80,8 @@ def _attend_block(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over keys [n0, n0 + BLOCK_N); MASKED adds the causal/tail mask."""
+    """One online-softmax step over keys [n0, n0 + BLOCK_N); MASKED adds the causal/tail mask and
+    each row's window (keys from `lower` on)."""
     n = n0 + offs_n
     if MASKED:
         n_ok = n < kv_len
@@ -113,7 +115,7 @@ def _attend_block(
     v = v.to(q.dtype)
     s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # the K scale folded in
     if MASKED:
-        s = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        s = tl.where((n[None, :] <= pos[:, None]) & (n[None, :] >= lower[:, None]) & n_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -134,6 +136,7 @@ def _extend_fwd_kernel(
     kv_indices,
     qk_scale,
     v_scale,
+    window,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -190,60 +193,30 @@ def _extend_fwd_kernel(
 
     first_pos = kv_len - q_len + blk * TOK
     last_pos = kv_len - q_len + tl.minimum(blk * TOK + TOK, q_len) - 1
-    # Keys before the block's first position are visible to every row: no mask needed.
+    # With a window each row sees keys from `lower` to its own position; without, from 0.
+    lower = tl.where(window > 0, pos - window + 1, 0)
+    lo_start = (tl.maximum(tl.where(window > 0, first_pos - window + 1, 0), 0) // BLOCK_N) * BLOCK_N
+    lo_full = tl.cdiv(tl.maximum(tl.where(window > 0, last_pos - window + 1, 0), 0), BLOCK_N) * BLOCK_N
+    # Keys in [lo_full, the block's first position] are visible to every row: no mask needed.
     full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
+    for n0 in range(lo_start, tl.minimum(lo_full, full_end), BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            acc,
-            m_i,
-            l_i,
-            q,
-            K,
-            V,
-            kv_indices,
-            kv_start,
-            kv_len,
-            n0,
-            kv_head,
-            pos,
-            qk_scale,
-            stride_kt,
-            stride_kh,
-            stride_vt,
-            stride_vh,
-            offs_n,
-            offs_d,
-            d_ok,
-            MASKED=False,
-            UPCAST=UPCAST,
-            PRECISION=PRECISION,
-        )
+            acc, m_i, l_i, q, K, V, kv_indices, kv_start, kv_len, n0, kv_head, pos, lower, qk_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, d_ok,
+            MASKED=True, UPCAST=UPCAST, PRECISION=PRECISION,
+        )  # fmt: skip
+    for n0 in range(lo_full, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, K, V, kv_indices, kv_start, kv_len, n0, kv_head, pos, lower, qk_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, d_ok,
+            MASKED=False, UPCAST=UPCAST, PRECISION=PRECISION,
+        )  # fmt: skip
     for n0 in range(full_end, last_pos + 1, BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            acc,
-            m_i,
-            l_i,
-            q,
-            K,
-            V,
-            kv_indices,
-            kv_start,
-            kv_len,
-            n0,
-            kv_head,
-            pos,
-            qk_scale,
-            stride_kt,
-            stride_kh,
-            stride_vt,
-            stride_vh,
-            offs_n,
-            offs_d,
-            d_ok,
-            MASKED=True,
-            UPCAST=UPCAST,
-            PRECISION=PRECISION,
-        )
+            acc, m_i, l_i, q, K, V, kv_indices, kv_start, kv_len, n0, kv_head, pos, lower, qk_scale,
+            stride_kt, stride_kh, stride_vt, stride_vh, offs_n, offs_d, d_ok,
+            MASKED=True, UPCAST=UPCAST, PRECISION=PRECISION,
+        )  # fmt: skip
 
     l_safe = tl.where(row_ok, l_i, 1.0)
     out = acc * (v_scale / l_safe)[:, None]
@@ -255,6 +228,11 @@ def _extend_fwd_kernel(
     if STORE_LSE:
         lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453
         tl.store(LSE + row_t * stride_lt + head * stride_lh, lse, mask=row_ok)
+
+
+def _check_window(window: int) -> None:
+    if window < 0:
+        raise ValueError(f"window must be 0 (every key) or positive, got {window}")
 
 
 def _outputs(
@@ -284,8 +262,10 @@ def extend_attention_with_stats_triton(
     config: ExtendConfig | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton implementation; see :func:`extend_attention_with_stats` for the contract."""
+    _check_window(window)
     group = check_group(q.shape[1], k_buf.shape[1])
     head_dim = q.shape[2]
     cfg = config or default_extend_config(head_dim, q.dtype, k_buf.dtype)
@@ -310,6 +290,7 @@ def extend_attention_with_stats_triton(
         kv_indices,
         sm_scale * LOG2E * k_scale,
         v_scale,
+        window,
         q.stride(0),
         q.stride(1),
         k_buf.stride(0),
@@ -350,6 +331,7 @@ def extend_attention_with_stats_torch(
     config: ExtendConfig | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Plain-torch reference, one request at a time, computed in at least float32; on the CPU
     through PyTorch's flash attention (`_cpu_flash_attention`), elsewhere from the score matrix.
@@ -357,6 +339,7 @@ def extend_attention_with_stats_torch(
     ``max_q_len`` and ``config`` only steer the Triton launch and are accepted for signature parity.
     """
     del max_q_len, config
+    _check_window(window)
     group = check_group(q.shape[1], k_buf.shape[1])
     o, lse = _outputs(q, with_stats, out, lse_out)
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
@@ -371,7 +354,10 @@ def extend_attention_with_stats_torch(
         v = v_buf[slots].to(acc_dtype)
         qb = q[qo[b] : qo[b + 1]].to(acc_dtype)  # [T, H_q, D]
         pos = kv_len - q_len + torch.arange(q_len, device=q.device)
-        visible = torch.arange(kv_len, device=q.device)[None, :] <= pos[:, None]  # [T, L]
+        keys = torch.arange(kv_len, device=q.device)[None, :]
+        visible = keys <= pos[:, None]  # [T, L]
+        if window:
+            visible &= keys > pos[:, None] - window
         attend = _cpu_flash_attention if q.device.type == "cpu" else _explicit_attention
         ob, row_lse = attend(qb, k, v, visible, sm_scale * k_scale, group)
         o[qo[b] : qo[b + 1]] = (ob if v_scale == 1.0 else ob * v_scale).to(o.dtype)
@@ -403,14 +389,14 @@ def _cpu_flash_attention(
     qh = q.transpose(0, 1)[None]  # [1, H_q, T, D]
     kh = k.repeat_interleave(group, dim=1).transpose(0, 1)[None]
     vh = v.repeat_interleave(group, dim=1).transpose(0, 1)[None]
-    square = visible.shape[0] == visible.shape[1]
+    causal = visible.shape[0] == visible.shape[1] and bool(visible.all(0)[0])  # a plain causal square
     mask = (
         None
-        if square
+        if causal
         else torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
     )
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qh, kh, vh, 0.0, square, attn_mask=mask, scale=sm_scale
+        qh, kh, vh, 0.0, causal, attn_mask=mask, scale=sm_scale
     )
     return o[0].transpose(0, 1), lse[0].transpose(0, 1)
 
@@ -432,6 +418,7 @@ def extend_attention_with_stats(
     backend: Backend = "auto",
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention of a ragged batch of new query tokens over their requests' pooled keys.
 
@@ -447,6 +434,9 @@ def extend_attention_with_stats(
         max_q_len: largest query count per request, if the caller knows it (avoids a device sync).
         out, lse_out: optional output buffers.
         config: Triton tile sizes; ``backend``: "auto" (Triton on CUDA), "triton" or "torch".
+        window: with W > 0 each query sees only the last W keys up to its own position (a sliding
+            window, its own key included: keys position - W + 1 .. position, as Gemma 3's window
+            layers attend); 0 for every key.
 
     Returns:
         ``(o, lse)``: o [num_q_tokens, H_q, D] in q's dtype; lse [num_q_tokens, H_q] float32, the
@@ -473,4 +463,5 @@ def extend_attention_with_stats(
         config=config,
         k_scale=k_scale,
         v_scale=v_scale,
+        window=window,
     )

@@ -4,7 +4,8 @@ Without a GPU, Triton kernels run in the interpreter (TRITON_INTERPRET must be s
 is first imported), and single-threaded BLAS keeps its many small matmuls fast on 2 cores.
 Server processes started by the end-to-end tests get a clean copy of the environment instead
 (see tests/e2e/servers.py), which keeps one setting made here: SGLang skips importing the model
-modules of architectures no test serves (every served model is a `LlamaForCausalLM`), ~260
+modules of architectures no test serves (every served model is a `LlamaForCausalLM` or the test
+bed's `Gemma3ForCausalLM`), ~260
 modules that each server's scheduler would otherwise import at start-up (measured: 14.7 s
 instead of 20.8 s for SGLang's model registry on 2 busy cores; CI starts ~20 such processes).
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 #: SGLang model modules the tests serve (`SGLANG_DISABLED_MODEL_ARCHS` names the others).
-SERVED_MODEL_MODULES = ("llama",)
+SERVED_MODEL_MODULES = ("llama", "gemma3_causal")
 
 
 def unserved_model_modules() -> str:

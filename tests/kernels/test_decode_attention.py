@@ -21,7 +21,7 @@ SCORE_REL = {torch.float32: 1e-5, torch.float16: 1e-4}
 KV_LENS = [1, 290, 77, 130]
 
 
-def run_both(batch, q, num_kv_splits, config=None):
+def run_both(batch, q, num_kv_splits, config=None, window=0, score_update="add"):
     init = torch.rand(batch.k_buf.shape[:2], generator=torch.Generator().manual_seed(9)).to(q.device)
     results = []
     for backend in ("triton", "torch"):
@@ -38,6 +38,8 @@ def run_both(batch, q, num_kv_splits, config=None):
             out=torch.full_like(q, float("nan")),
             config=config,
             backend=backend,
+            window=window,
+            score_update=score_update,
         )
         results.append((o, score_buf))
     return results
@@ -196,3 +198,14 @@ def test_the_default_splits_match_the_reference(device):
     q = decode_queries(batch)
     (o, scores), (o_ref, scores_ref) = run_both(batch, q, num_kv_splits=None)
     assert rel_error(o, o_ref) < 1e-4 and rel_error(scores, scores_ref) < 1e-4
+
+
+@pytest.mark.parametrize("score_update", ["add", "replace"])
+@pytest.mark.parametrize(("window", "splits"), [(1, 1), (33, 3), (100, 2), (1000, 4)])
+def test_decode_sliding_window_matches_reference(window, splits, score_update, device):
+    """Each row attends to its last `window` entries only, split or not; the entries before the
+    window keep their scores (the whole score buffer is compared)."""
+    batch = make_ragged_batch([0] * len(KV_LENS), KV_LENS, 2, 4, 64, torch.float32, device, seed=window)
+    q = decode_queries(batch)
+    (o, scores), (o_ref, scores_ref) = run_both(batch, q, splits, DecodeConfig(block_n=32), window, score_update)
+    assert rel_error(o, o_ref) < OUT_REL[torch.float32] and rel_error(scores, scores_ref) < SCORE_REL[torch.float32]

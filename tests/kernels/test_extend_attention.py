@@ -21,7 +21,7 @@ Q_LENS = [37, 150, 5, 83]
 KV_LENS = [37, 290, 133, 83]
 
 
-def run_both(batch, config=None, with_stats=True):
+def run_both(batch, config=None, with_stats=True, window=0):
     results = []
     for backend in ("triton", "torch"):
         out = torch.full_like(batch.q, float("nan"))
@@ -40,6 +40,7 @@ def run_both(batch, config=None, with_stats=True):
                 lse_out=lse_out,
                 config=config,
                 backend=backend,
+                window=window,
             )
         )
     return results
@@ -87,3 +88,23 @@ def test_extend_auto_backend_uses_reference_on_cpu():
     o_auto, lse_auto = extend_attention_with_stats(*args)
     o_ref, lse_ref = extend_attention_with_stats(*args, backend="torch")
     assert torch.equal(o_auto, o_ref) and torch.equal(lse_auto, lse_ref)
+
+
+@pytest.mark.parametrize("window", [1, 7, 40, 512])
+@pytest.mark.parametrize("block_rows, block_n", [(16, 16), (128, 64)])
+def test_extend_sliding_window_matches_reference(window, block_rows, block_n, device):
+    """Each query attends to its last `window` keys only: windows shorter than a key block, than a
+    query block and longer than every row, over full prefills and cached prefixes."""
+    batch = make_ragged_batch(Q_LENS, KV_LENS, 2, 4, 64, torch.float32, device, seed=window)
+    config = ExtendConfig(block_rows=block_rows, block_n=block_n)
+    (o, lse), (o_ref, lse_ref) = run_both(batch, config, window=window)
+    assert rel_error(o, o_ref) <= OUT_REL[torch.float32] and rel_error(lse, lse_ref) <= LSE_REL
+    if window >= max(KV_LENS):  # a window longer than every row is plain causal attention
+        (o_causal, _), _ = run_both(batch, config)
+        assert rel_error(o, o_causal) <= OUT_REL[torch.float32]
+
+
+def test_a_negative_window_is_refused():
+    batch = make_ragged_batch([3], [3], 1, 1, 16)
+    with pytest.raises(ValueError, match="window must be 0"):
+        run_both(batch, window=-1)
