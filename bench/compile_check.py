@@ -17,7 +17,7 @@ its warps). A spill is reported, not failed: the report says where.
 
 The lent GPU runs Triton 3.6, whose shape rules differ from this environment's (a `tl.dot`'s inner
 dimension of 8, for one), so the check runs once per Triton it finds: this environment's, and
-the one `scripts/setup-triton36.sh` installs beside it (`.venv/triton-3.6`), each in its own
+the one `scripts/setup.sh` installs beside it (`.venv/triton-3.6`), each in its own
 process. No SGLang, no GPU, no network.
 """
 
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Where `scripts/setup-triton36.sh` puts the lent GPU's Triton (a `pip --target` folder).
+#: Where `scripts/setup.sh` puts the lent GPU's Triton (a `pip --target` folder).
 TRITON_36 = ROOT / ".venv" / "triton-3.6"
 
 HEAD_DIMS = (64, 128, 256)
