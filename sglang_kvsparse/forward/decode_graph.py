@@ -8,7 +8,8 @@ Before a replay, the step's plan is built as for an eager step (`planning.plan_d
 evictions run (`eviction.evict_planned`: their shapes vary, so they stay outside the
 graph), and `fill` copies its tables into the buffers; rows of the captured batch past the real
 ones get no keys (a zero output) and store their token in the padding row. Every request is
-scored by the server's policy there (a request's own policy needs the eager step, `sparse_decode`).
+scored by the server's policy there: a request's own policy rides along when it decodes alike
+(`ScoringPolicy.decodes_like`), and otherwise needs the eager step (`sparse_decode`).
 No SGLang imports.
 """
 

@@ -149,9 +149,12 @@ class _Staging:
             return None
         return self.add(entries), self.add(values), self.add(score_entries), self.add(score_values)
 
-    def policies(self, state: SparseState, index: torch.Tensor) -> list[tuple[ScoringPolicy, int, int]]:
+    def policies(
+        self, state: SparseState, index: torch.Tensor, decoding: bool = False
+    ) -> list[tuple[ScoringPolicy, int, int]]:
         """Every policy of the batch with its requests' batch indices and mask (`_policy_members`), staged."""
-        return [(policy, self.add(members), self.add(mask)) for policy, members, mask in _policy_members(state, index)]
+        members = _policy_members(state, index, decoding)
+        return [(policy, self.add(at), self.add(mask)) for policy, at, mask in members]
 
     def send(self, device: torch.device | str) -> Callable[[int | None], torch.Tensor | None]:
         on_device = upload(self.host, device)
@@ -186,7 +189,7 @@ def build_decode(
     for e in evicting:
         slots, score_slots = _old_entries(state, state.groups[e.group], e.req_indices, e.olds)
         kinds.append((e.group, e.budget, e.policy, staging.add(slots), staging.add(score_slots)))
-    policies = staging.policies(state, index)
+    policies = staging.policies(state, index, decoding=True)
     at_indptr = staging.add(indptr(torch.ones(len(index), dtype=torch.int64)))
     get = staging.send(device)
     for group, write in zip(state.groups, writes):
@@ -207,10 +210,16 @@ def build_decode(
     )
 
 
-def _policy_members(state: SparseState, index: torch.Tensor) -> list[tuple[ScoringPolicy, torch.Tensor, torch.Tensor]]:
+def _policy_members(
+    state: SparseState, index: torch.Tensor, decoding: bool = False
+) -> list[tuple[ScoringPolicy, torch.Tensor, torch.Tensor]]:
     """Every policy of the batch of requests `index` with its requests' indices in the batch and
-    the same as a mask (host), when some request has a policy of its own (none otherwise)."""
+    the same as a mask (host), when some request has a policy of its own (none otherwise). For a
+    decode step, a policy that decodes like the server's (`ScoringPolicy.decodes_like`) counts as
+    the server's: the step is the same for both."""
     policies = [state.requests.policy[req_idx] for req_idx in index.tolist()]
+    if decoding:
+        policies = [None if p is None or p.decodes_like(state.policy) else p for p in policies]
     if all(policy is None for policy in policies):
         return []
     members: dict[ScoringPolicy, list[int]] = {}

@@ -85,6 +85,16 @@ class ScoringPolicy(ABC):
         (the default: its own attention then gives it its first score; no tensor to launch)."""
         return None
 
+    def decodes_like(self, other: ScoringPolicy) -> bool:
+        """Whether a decode step treats this policy's keys as `other`'s: the same score update and
+        the same scores for a new key (both the default, or the same policy and knobs). Then one
+        decode step, a captured one included, serves requests of both; only their evictions rank
+        by each policy's own `eviction_scores`, and those run before the step."""
+        if self.score_update != other.score_update:
+            return False
+        default = ScoringPolicy.new_key_scores
+        return (type(self).new_key_scores is default and type(other).new_key_scores is default) or self == other
+
     def eviction_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """What a decode eviction ranks, from the stored scores [R, n, H_kv] of R requests' n
         entries each (a request's entries in one layer, in position order; an evicting request's

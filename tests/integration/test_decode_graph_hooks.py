@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from sglang_kvsparse.policies import SnapKVPolicy
+from sglang_kvsparse.policies import SnapKVPolicy, TOVAPolicy
 from tests.unit.heap import H_KV, D, grow, make_state, prefill_alone
 
 pytestmark = pytest.mark.integration
@@ -191,7 +191,9 @@ def test_replays_dispatch_what_was_captured_and_match_eager_decoding_with_evicti
     assert graph_heap.free_rows() == free_before
 
 
-def test_a_request_with_its_own_policy_decodes_eagerly():
+def test_a_request_whose_own_policy_decodes_otherwise_decodes_eagerly():
+    """SnapKV with other knobs decodes as the server's SnapKV (its pooling acts at prefill): the
+    step replays. TOVA replaces scores each step: the step runs eagerly, counted."""
     (state, _), _ = twin_states()
     backend = KVSparseBackend(StockBackend(), state)
     runner = SimpleNamespace(attn_backend=backend)
@@ -199,5 +201,7 @@ def test_a_request_with_its_own_policy_decodes_eagerly():
     assert graph_can_run(lambda runner, fb: True, runner, batch)
     assert not graph_can_run(lambda runner, fb: False, runner, batch)  # SGLang's own no stands
     state.requests.policy[2] = SnapKVPolicy(pool_kernel=3)
+    assert graph_can_run(lambda runner, fb: True, runner, batch)
+    state.requests.policy[2] = TOVAPolicy()
     assert not graph_can_run(lambda runner, fb: True, runner, batch)
     assert state.counters.eager_decode_steps == 1

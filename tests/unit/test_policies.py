@@ -147,3 +147,22 @@ def test_span_raises_every_requests_keys_to_their_sentences_best_where_the_ends_
         assert not torch.equal(mine, own) and bool((mine >= own).all())
     unknown = POLICIES["span"](sentence=1.0).score(dataclasses.replace(inputs, sentence_ends=None))
     torch.testing.assert_close(unknown, plain, rtol=0, atol=0)
+
+
+#: The policies whose decode steps are alike (each step's attention added, no first score for a
+#: new key): one step, a captured one included, serves requests of any of them. TOVA replaces
+#: scores; KeyNorm and StreamingLLM leave them and score a new key each its own way.
+ADDING = {"h2o", "snapkv", "span"}
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_policies_decode_alike_only_when_their_decode_steps_are_the_same(name):
+    policy = POLICIES[name]()
+    assert policy.decodes_like(policy)
+    for other_name, other_cls in POLICIES.items():
+        other = other_cls()
+        alike = (name in ADDING and other_name in ADDING) or name == other_name
+        assert policy.decodes_like(other) is alike, other_name
+        assert other.decodes_like(policy) is alike
+        if alike:
+            assert policy.score_update == other.score_update

@@ -20,6 +20,7 @@ from sglang_kvsparse.forward.decode_graph import DecodeBuffers
 from sglang_kvsparse.forward.eviction import evict_planned
 from sglang_kvsparse.forward.planning import plan_decode, plan_extend
 from sglang_kvsparse.forward.sparse_attention import sparse_decode, sparse_extend
+from sglang_kvsparse.forward.sparse_forward import SparseForward
 from sglang_kvsparse.policies import POLICIES, SnapKVPolicy, SpanPolicy
 from sglang_kvsparse.server.stats import collect
 from sglang_kvsparse.state.admission import request_rows_to_hold
@@ -326,11 +327,24 @@ def test_a_request_with_its_own_policy_keeps_what_a_server_of_that_policy_keeps(
             torch.testing.assert_close(s_mixed, s_alone, rtol=1e-5, atol=1e-6)
 
 
-def test_a_captured_decode_step_refuses_a_request_with_its_own_policy():
+@pytest.mark.parametrize(("own", "replays"), [("h2o", True), ("tova", False)])
+def test_a_captured_decode_step_takes_a_request_whose_policy_decodes_like_the_servers(own, replays):
+    """H2O beside the server's SnapKV decodes alike (both add each step's attention, no first score
+    for a new key): the step replays its captured graph with that request in it, its eviction
+    ranked by H2O before the step. TOVA replaces scores: the buffers refuse it and the step runs
+    eagerly, counted."""
     state, _ = make_state(context=64, budget=8, window=2, rows=512)
-    state.expect([1, 2], [30, 30], [10, 10], [SERVER_SETTING, RequestSparsity(policy=POLICIES["h2o"]())])
+    state.expect([1, 2], [30, 30], [10, 10], [SERVER_SETTING, RequestSparsity(policy=POLICIES[own]())])
     grow(state, [1, 2], [10, 10])
     plan_extend(state, [1, 2], [0, 0], [10, 10])
     grow(state, [1, 2], [11, 11])
-    with pytest.raises(ValueError, match="a captured decode step scores with the server's policy"):
-        DecodeBuffers(state, 4, "cpu").fill(plan_decode(state, [1, 2]))
+    forward = SparseForward(state)
+    assert forward.can_replay([1, 2]) is replays
+    assert state.counters.eager_decode_steps == (0 if replays else 1)
+    plan = plan_decode(state, [1, 2])
+    if replays:
+        assert plan.policy_groups == ()
+        DecodeBuffers(state, 4, "cpu").fill(plan)
+    else:
+        with pytest.raises(ValueError, match="a captured decode step scores with the server's policy"):
+            DecodeBuffers(state, 4, "cpu").fill(plan)
