@@ -358,8 +358,11 @@ def extend_attention_with_stats_torch(
         visible = keys <= pos[:, None]  # [T, L]
         if window:
             visible &= keys > pos[:, None] - window
-        attend = _cpu_flash_attention if q.device.type == "cpu" else _explicit_attention
-        ob, row_lse = attend(qb, k, v, visible, sm_scale * k_scale, group)
+        if q.device.type == "cpu":
+            plain_causal = q_len == kv_len and not 0 < window < kv_len  # no prefix, no window cut
+            ob, row_lse = _cpu_flash_attention(qb, k, v, None if plain_causal else visible, sm_scale * k_scale, group)
+        else:
+            ob, row_lse = _explicit_attention(qb, k, v, visible, sm_scale * k_scale, group)
         o[qo[b] : qo[b + 1]] = (ob if v_scale == 1.0 else ob * v_scale).to(o.dtype)
         if lse is not None:
             lse[qo[b] : qo[b + 1]] = row_lse.to(lse.dtype)
@@ -381,15 +384,16 @@ def _explicit_attention(
 
 
 def _cpu_flash_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, sm_scale: float, group: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, sm_scale: float, group: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_explicit_attention` through PyTorch's tiled CPU flash attention, which also returns the
     LSE: the same numbers (tests hold both to float64 attention) without the [H, T, L] score
-    matrix, so a sparse server's prefill on the CPU costs about what stock SDPA costs."""
+    matrix, so a sparse server's prefill on the CPU costs about what stock SDPA costs. `visible`
+    None: plain causal attention over a square (the kernel's own causal path, no mask built)."""
     qh = q.transpose(0, 1)[None]  # [1, H_q, T, D]
     kh = k.repeat_interleave(group, dim=1).transpose(0, 1)[None]
     vh = v.repeat_interleave(group, dim=1).transpose(0, 1)[None]
-    causal = visible.shape[0] == visible.shape[1] and bool(visible.all(0)[0])  # a plain causal square
+    causal = visible is None
     mask = (
         None
         if causal
