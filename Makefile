@@ -29,10 +29,13 @@ test-kernels:
 test-integration:
 	$(PYTEST) tests/integration -q
 
-# The FP8 servers run in a session of their own, beside no other server (24 GiB).
+# The FP8 servers and Gemma 3's run in sessions of their own, beside no other server (24 GiB).
+APART = tests/e2e/test_fp8.py tests/e2e/test_gemma3.py
+
 test-e2e:
-	$(PYTEST) tests/e2e -q -m "e2e and not extended" --ignore=tests/e2e/test_fp8.py --durations=10
+	$(PYTEST) tests/e2e -q -m "e2e and not extended" $(addprefix --ignore=,$(APART)) --durations=10
 	$(PYTEST) tests/e2e/test_fp8.py -q -m "e2e and not extended" --durations=5
+	$(PYTEST) tests/e2e/test_gemma3.py -q -m "e2e and not extended" --durations=5
 
 # Two runs: the tests that start servers of their own (or two more shared ones) run after the
 # session's shared servers have stopped; a 24 GiB machine does not start them all at once.
@@ -41,6 +44,7 @@ EXTENDED_APART = tests/e2e/test_server_options.py tests/e2e/test_parallel_servin
 	tests/e2e/test_bench_gpu_check_dry_run.py tests/e2e/test_bench_selection_probe.py
 
 test-extended: setup
-	$(PYTEST) tests/e2e -q -m "extended" $(addprefix --ignore=,$(EXTENDED_APART) tests/e2e/test_fp8.py) --durations=5
+	$(PYTEST) tests/e2e -q -m "extended" $(addprefix --ignore=,$(EXTENDED_APART) $(APART)) --durations=5
 	$(PYTEST) $(EXTENDED_APART) -q -m "extended" --durations=5
 	$(PYTEST) tests/e2e/test_fp8.py -q -m "extended" --durations=5
+	$(PYTEST) tests/e2e/test_gemma3.py -q -m "extended" --durations=5

@@ -45,6 +45,8 @@ class KVSparseBackend(AttentionBackend):
         self.kv_cache_dtype = inner.kv_cache_dtype
         #: The request indices of the decode step about to replay (`graph_execute`).
         self.replay_requests: list[int] | None = None
+        #: Sparse and sliding layers whose window SGLang's layer was found to agree with (`_checked`).
+        self._windows_checked: set[int] = set()
 
     # Attributes the base class declares (so __getattr__ would never see them) but the inner
     # backend owns: forward them, so a translator bound to the wrapper reaches the inner one.
@@ -139,15 +141,35 @@ class KVSparseBackend(AttentionBackend):
             req_indices = forward_batch.req_pool_indices
         return req_indices.tolist()
 
+    def _checked(self, layer: Any) -> bool:
+        """Whether the layer is one of the heap's (sparse or sliding), checking once that the
+        window SGLang's layer applies (`sliding_window_size`: the keys before the query's own that
+        it reads, -1 or None for all) is the one the layout keeps and the kernels apply: a
+        mismatch would answer wrongly without a word."""
+        layer_id = layer.layer_id
+        place = self.state.layout.layer_places.get(layer_id)
+        if place is None or layer_id in self._windows_checked:
+            return place is not None
+        window = self.state.layout.groups[place.group].sliding_window
+        size = getattr(layer, "sliding_window_size", None)
+        theirs = 0 if size is None or size < 0 else size + 1
+        if theirs != window:
+            raise RuntimeError(
+                f"kvsparse: layer {layer_id} attends over a window of {theirs or 'every'} key(s) in SGLang "
+                f"but {window or 'every'} in the sparse layout (from the model's config.json)"
+            )
+        self._windows_checked.add(layer_id)
+        return True
+
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        if not self.state.layout.is_sparse(layer.layer_id):
+        if not self._checked(layer):
             return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         q3 = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         o = self.sparse.extend(q3, k, v, layer.layer_id, layer.scaling, forward_batch.positions, kv_scales(layer))
         return o.reshape(q3.shape[0], -1)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        if not self.state.layout.is_sparse(layer.layer_id):
+        if not self._checked(layer):
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         o = self.sparse.decode(q3, k, v, layer.layer_id, layer.scaling, forward_batch.positions, kv_scales(layer))

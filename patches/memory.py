@@ -27,11 +27,11 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.runtime_context import get_memory, get_model, get_schedule, get_server_args, get_serving
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
 
-from sglang_kvsparse.config import SparsityConfig
+from sglang_kvsparse.config import ResolvedSparsity, SparsityConfig
 from sglang_kvsparse.policies.sentences import SentenceMarks, sentence_end_tokens
 from sglang_kvsparse.server.accounting import footprint_table, format_footprint_table, human_bytes, kv_bytes_per_token
 from sglang_kvsparse.server.backends import BACKEND_OPTIONS, WRAPPED_BACKENDS
-from sglang_kvsparse.server.model_support import unsupported_features
+from sglang_kvsparse.server.model_support import resolve_for_model, unsupported_features
 from sglang_kvsparse.server.option_support import checked_values, option_problems
 from sglang_kvsparse.server.stats import describe_tables
 from sglang_kvsparse.state.layout import HeapLayout, heap_rows, scores_per_row
@@ -55,7 +55,7 @@ def make_size_heap(config: SparsityConfig):
         pool_config = original(configurator, *args, **kwargs)
         dtype_bytes, page = configurator.kv_cache_dtype.itemsize, configurator.page_size
         layout = HeapLayout.from_resolved(
-            config.resolve(model.num_hidden_layers, model.context_len),
+            resolved_for(config, model),
             scores_per_row(model.head_dim, dtype_bytes),
             page,
         )
@@ -78,14 +78,15 @@ def make_pool_class(config: SparsityConfig):
         if not (isinstance(cls, type) and issubclass(cls, MHATokenToKVPool)) or cls.__name__.startswith("PageMajor"):
             raise KVSparseStartupError(f"kvsparse: the KV pool {cls!r} is not supported with sparse layers")
         model = configurator.model_config
-        resolved = config.resolve(model.num_hidden_layers, model.context_len)
-        return stub_pool_class(cls, frozenset(resolved.sparse_layers))
+        resolved = resolved_for(config, model)
+        return stub_pool_class(cls, frozenset(resolved.heap_layers))
 
     return pool_class
 
 
 def stub_pool_class(base: type, sparse_layers: frozenset[int]) -> type:
-    """`base` with one-page K/V stubs for `sparse_layers` (whose K/V live in the heap's lanes).
+    """`base` with one-page K/V stubs for `sparse_layers`, sliding ones included (whose K/V live
+    in the heap's lanes).
 
     The buffer lists keep one entry per layer, so SGLang's `layer_id - start_layer` indexing is
     unchanged; a write into a stub raises, so a stray write fails loudly instead of corrupting.
@@ -132,7 +133,7 @@ def make_attach_state(config: SparsityConfig):
 
     def attach_state(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
         model = runner.model_config
-        resolved = config.resolve(model.num_hidden_layers, model.context_len)
+        resolved = resolved_for(config, model)
         token_allocator = runner.token_to_kv_pool_allocator
         rows = token_allocator.size
         lanes = lane_buffers(runner.token_to_kv_pool, resolved.full_layers, rows + runner.page_size)
@@ -231,6 +232,11 @@ def needs_prefix_store(memory: Any, schedule: Any) -> bool:
     own default (4,096 tokens on the CPU), and a server started with --disable-radix-cache and
     no chunk size then met its first chunked prompt without a store and stopped."""
     return not memory.disable_radix_cache or (schedule.chunked_prefill_size or -1) > 0
+
+
+def resolved_for(config: SparsityConfig, model: Any) -> ResolvedSparsity:
+    """The configuration resolved for SGLang's `ModelConfig`, its sliding-window layers included."""
+    return resolve_for_model(config, model.hf_config.to_dict(), model.num_hidden_layers, model.context_len)
 
 
 def check_guards(model: Any) -> None:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
-from functools import cache
 from typing import Any
 
 from sglang_kvsparse.config import ResolvedSparsity, SparsityConfig
 from sglang_kvsparse.config.request_sparsity import REQUEST_KEY, check_request, parse_request
+from sglang_kvsparse.server.model_support import resolve_for_model
 
 #: The one line a misplaced setting gets.
 MISPLACED = (
@@ -37,11 +37,17 @@ MISPLACED = (
 def _resolver(config: SparsityConfig) -> Callable[[Any], ResolvedSparsity]:
     """The configuration resolved for a tokenizer manager's model (once per model shape)."""
 
-    @cache
-    def resolved(num_layers: int, context_len: int) -> ResolvedSparsity:
-        return config.resolve(num_layers, context_len)
+    done: dict[int, ResolvedSparsity] = {}  # by the model config's identity: it lives as long as the process
 
-    return lambda manager: resolved(manager.model_config.num_hidden_layers, manager.model_config.context_len)
+    def resolved(manager: Any) -> ResolvedSparsity:
+        model = manager.model_config
+        if id(model) not in done:
+            done[id(model)] = resolve_for_model(
+                config, model.hf_config.to_dict(), model.num_hidden_layers, model.context_len
+            )
+        return done[id(model)]
+
+    return resolved
 
 
 def make_check_setting(config: SparsityConfig):

@@ -235,18 +235,27 @@ class SparsityConfig:
         """Entries every sparse layer keeps regardless of score: sink + window."""
         return self.sink + self.window
 
-    def resolve(self, num_layers: int, context_len: int) -> ResolvedSparsity:
+    def resolve(
+        self, num_layers: int, context_len: int, sliding_layers: Sequence[int] = (), sliding_window: int = 0
+    ) -> ResolvedSparsity:
         """Check this config against a model and give each layer its kind and budget.
 
         A sparse layer's effective budget is min(budget, context_len): a budget at or above the
-        context length is valid and keeps every token. Disabled configs resolve to all-full.
-        Raises SparsityConfigError for a full layer outside the model or an explicit budget list
-        whose length differs from the number of sparse layers.
+        context length is valid and keeps every token. The model's `sliding_layers`, whose
+        attention reads only the last `sliding_window` keys, are sliding layers whether or not
+        `full_layers` names them (keeping more than the window keeps what is never read again).
+        Disabled configs resolve to all-full. Raises SparsityConfigError for a full layer outside
+        the model or an explicit budget list whose length differs from the number of sparse layers.
         """
         if not is_int(num_layers) or num_layers < 1:
             raise SparsityConfigError(f"model: num_layers must be a positive integer, got {num_layers!r}")
         if not is_int(context_len) or context_len < 1:
             raise SparsityConfigError(f"model: context_len must be a positive integer, got {context_len!r}")
+        sliding = set(sliding_layers)
+        if sliding and not (is_int(sliding_window) and 0 < sliding_window):
+            raise SparsityConfigError(f"model: sliding_window must be a positive integer, got {sliding_window!r}")
+        if any(not is_int(layer) or not 0 <= layer < num_layers for layer in sliding):
+            raise SparsityConfigError(f"model: sliding layers {sorted(sliding)} outside its {num_layers} layers")
         if not self.enabled:
             return ResolvedSparsity(self, num_layers, context_len, ("full",) * num_layers, (None,) * num_layers)
         for layer in self.full_layers:
@@ -254,20 +263,33 @@ class SparsityConfig:
                 raise self._fail(
                     "full_layers", f"layer {layer} is outside the model ({num_layers} layers: 0..{num_layers - 1})"
                 )
-        full = set(self.full_layers)
-        sparse = [layer for layer in range(num_layers) if layer not in full]
+        full = set(self.full_layers) - sliding
+        sparse = [layer for layer in range(num_layers) if layer not in full and layer not in sliding]
         budgets: list[int | None] = [None] * num_layers
         for layer, value in zip(sparse, self._sparse_budgets(len(sparse))):
             budgets[layer] = min(value, context_len)
-        kinds = tuple("full" if layer in full else "sparse" for layer in range(num_layers))
-        largest = max((value for value in budgets if value is not None), default=0)
+        for layer in sliding:
+            budgets[layer] = min(sliding_window + self.sink, context_len)
+        kinds = tuple(
+            "sliding" if layer in sliding else "full" if layer in full else "sparse" for layer in range(num_layers)
+        )
+        largest = max((budgets[layer] for layer in sparse), default=0)
         if self.max_request_budget is not None and self.max_request_budget < largest:
             raise self._fail(
                 "max_request_budget", f"{self.max_request_budget} is below the largest sparse budget ({largest})"
             )
         request_cap = min(self.max_request_budget or largest, context_len)
         guide_layers = self._guide_layers(sparse, num_layers)
-        return ResolvedSparsity(self, num_layers, context_len, kinds, tuple(budgets), request_cap, guide_layers)
+        return ResolvedSparsity(
+            self,
+            num_layers,
+            context_len,
+            kinds,
+            tuple(budgets),
+            request_cap,
+            guide_layers,
+            sliding_window if sliding else 0,
+        )
 
     def _guide_layers(self, sparse: list[int], num_layers: int) -> tuple[int, ...]:
         """The sparse layers whose scores guide every sparse layer's prefill selection (none

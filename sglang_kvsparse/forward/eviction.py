@@ -16,6 +16,7 @@ import torch
 from sglang_kvsparse import kernels
 from sglang_kvsparse.forward.planning import plan_decode
 from sglang_kvsparse.forward.plans import Eviction, ForwardPlan
+from sglang_kvsparse.forward.sparse_attention import SLIDING_POLICY
 from sglang_kvsparse.policies import ScoringPolicy
 from sglang_kvsparse.state.layout import GroupSpec, HeapLayout
 from sglang_kvsparse.state.sparse_group import LaneBuffers
@@ -37,10 +38,11 @@ def evict_planned(plan: ForwardPlan, layout: HeapLayout, lanes: Sequence[LaneBuf
     `Eviction` covers every layer of its group at once (`evict_group`), so a step issues a few
     launches per (group, budget, policy) among its evicting requests, whatever the numbers of
     layers and requests; and the step's only variable-shaped work stays out of a captured
-    decode graph."""
+    decode graph. A sliding group ranks by `SLIDING_POLICY`."""
     for eviction in plan.evictions:
         spec = layout.groups[eviction.group]
-        evict_group(lanes, spec, eviction, plan.sink, plan.window, eviction.policy or policy)
+        ranking = SLIDING_POLICY if spec.sliding_window else eviction.policy or policy
+        evict_group(lanes, spec, eviction, plan.sink, plan.window, ranking)
 
 
 def evict_group(

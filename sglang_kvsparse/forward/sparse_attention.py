@@ -16,7 +16,7 @@ from sglang_kvsparse import kernels
 from sglang_kvsparse.forward.guide import PrefillGuide
 from sglang_kvsparse.forward.plans import ColumnPlan, ForwardPlan, MixedPlan, PolicyGroup
 from sglang_kvsparse.kernels.common import FP8_DTYPES, positions_in_segment, quantize, segment_ids
-from sglang_kvsparse.policies import PrefillScoringInputs, ScoringPolicy
+from sglang_kvsparse.policies import PrefillScoringInputs, ScoringPolicy, StreamingLLMPolicy
 from sglang_kvsparse.state.layout import LayerPlace
 from sglang_kvsparse.state.sparse_group import LaneBuffers
 
@@ -32,6 +32,11 @@ class KVScales:
 
 UNIT_SCALES = KVScales()
 
+#: How a sliding layer ranks its entries, whatever the server's or a request's policy: by
+#: position, so that it keeps the sinks and the latest keys (its window among them) and its
+#: attention, masked to the window, reads what the model's does.
+SLIDING_POLICY = StreamingLLMPolicy()
+
 
 def sparse_extend(
     q: torch.Tensor,
@@ -45,6 +50,7 @@ def sparse_extend(
     layer_id: int = -1,
     guide: PrefillGuide | None = None,
     scales: KVScales = UNIT_SCALES,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Prefill: attend over each request's whole sequence, then store what is kept.
 
@@ -67,7 +73,11 @@ def sparse_extend(
     Into an FP8 lane the new tokens' K/V are quantized first (`scales`), and the attention, the
     scores and every copy read those quantized values, as a layer of SGLang's own FP8 pool reads
     back what it wrote.
+
+    A sliding layer (`sliding_window` W > 0) attends, per query, over its last W keys, and keeps
+    every request's entries by `SLIDING_POLICY` (no guide: `column.guided` is None there).
     """
+    groups = layer_policies(plan, policy, sliding_window)
     if buffers.k.dtype in FP8_DTYPES:
         k, v = quantize(k, buffers.k.dtype, scales.k), quantize(v, buffers.v.dtype, scales.v)
     k_all, v_all, kv_indptr = sequence_kv(k, v, plan, column, buffers)
@@ -88,6 +98,7 @@ def sparse_extend(
         with_stats=scoring,
         k_scale=scales.k,
         v_scale=scales.v,
+        window=sliding_window,
     )
     if column.store_slots is not None and column.store_slots.numel():
         _write(buffers, column.store_slots, k[plan.store_positions], v[plan.store_positions])
@@ -107,13 +118,13 @@ def sparse_extend(
             plan.sentence_ends,
             scales.k,
         )
-        for group in policy_groups(plan, policy):
+        for group in groups:
             mine = group.policy.score(inputs)  # of the whole batch: a batch mixes policies rarely
             scores = mine if scores is None else torch.where(group.mask[requests][:, None], mine, scores)
     if guiding:
         guide.add(layer_id, scores)
     if not column.compress:
-        _keep_all(k_all, v_all, kv_indptr, requests, plan, column, buffers, policy, scales.k)
+        _keep_all(k_all, v_all, kv_indptr, requests, plan, column, buffers, groups, scales.k)
     elif guided is None or not bool(guided.any()):
         _keep(k_all, v_all, kv_indptr, scores, plan, column, buffers)
     else:
@@ -143,7 +154,7 @@ def _keep_all(
     plan: ForwardPlan,
     column: ColumnPlan,
     buffers: LaneBuffers,
-    policy: ScoringPolicy,
+    groups: tuple[PolicyGroup, ...],
     k_scale: float,
 ) -> None:
     """Every request fits its budget: its entries are all stored, scored as decoded keys are
@@ -154,7 +165,7 @@ def _keep_all(
         k_all, v_all = _rows(k_all, plan.kept_positions), _rows(v_all, plan.kept_positions)
         in_sequence, requests = in_sequence[plan.kept_positions], requests[plan.kept_positions]
     _write(buffers, column.new_slots, k_all, v_all)
-    for group in policy_groups(plan, policy):
+    for group in groups:
         keys = slice(None) if group.mask is None else group.mask[requests]
         mine = _rows(k_all, keys)
         real = mine.to(torch.float32) * k_scale if mine.dtype in FP8_DTYPES else mine
@@ -193,9 +204,12 @@ def _keep(
     buffers.scores[score_slots[:, None], heads] = scores[src, heads]
 
 
-def policy_groups(plan: ForwardPlan, policy: ScoringPolicy) -> tuple[PolicyGroup, ...]:
-    """The plan's policies with their requests; without any of a request's own, the server's
-    `policy` for every request (`members` and `mask` None)."""
+def layer_policies(plan: ForwardPlan, policy: ScoringPolicy, sliding_window: int = 0) -> tuple[PolicyGroup, ...]:
+    """The policies of a layer's forward with their requests: in a sliding layer
+    `SLIDING_POLICY` for every request; else the plan's, or without any of a request's own the
+    server's `policy` for every request (`members` and `mask` None)."""
+    if sliding_window:
+        return (PolicyGroup(SLIDING_POLICY, None, None),)
     return plan.policy_groups or (PolicyGroup(policy, None, None),)
 
 
@@ -240,6 +254,7 @@ def sparse_decode(
     policy: ScoringPolicy,
     positions: torch.Tensor,
     scales: KVScales = UNIT_SCALES,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """One decode step: store the new token, attend over the kept slots (`evict_planned` has
     run this step's evictions). Into an FP8 lane the new K/V are quantized by `scales`, which
@@ -252,9 +267,10 @@ def sparse_decode(
     next eviction reads. Every shape here is fixed by the plan (no value is read back), so the
     step queues its work without waiting on the device and can be captured in a CUDA graph. A
     batch whose requests' own policies update scores in different ways runs the kernel once per
-    policy, on its requests.
+    policy, on its requests. A sliding layer (`sliding_window` W > 0) attends over each row's last
+    W entries, its keys scored by `SLIDING_POLICY`.
     """
-    groups = policy_groups(plan, policy)
+    groups = layer_policies(plan, policy, sliding_window)
     kernels.write_entries(
         buffers.k,
         buffers.v,
@@ -268,7 +284,7 @@ def sparse_decode(
         v_scale=scales.v,
     )
     if len({group.policy.score_update for group in groups}) == 1:
-        return _decode(q, column, buffers, sm_scale, groups[0].policy, slice(None), scales)
+        return _decode(q, column, buffers, sm_scale, groups[0].policy, slice(None), scales, sliding_window)
     out = torch.empty_like(q)
     for group in groups:
         out[group.members] = _decode(q, column, buffers, sm_scale, group.policy, group.members, scales)
@@ -295,9 +311,10 @@ def _decode(
     policy: ScoringPolicy,
     members: slice | torch.Tensor,
     scales: KVScales,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """The decode kernel over the batch's `members` (indices in the batch), updating scores as
-    `policy` says."""
+    `policy` says; over each row's last `sliding_window` entries when it is positive."""
     return kernels.decode_attention_with_scores(
         q[members],
         buffers.k,
@@ -310,6 +327,7 @@ def _decode(
         score_update=policy.score_update,
         k_scale=scales.k,
         v_scale=scales.v,
+        window=sliding_window,
     )
 
 
@@ -326,15 +344,28 @@ def sparse_mixed(
     layer_id: int = -1,
     guide: PrefillGuide | None = None,
     scales: KVScales = UNIT_SCALES,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """A mixed forward: `sparse_extend` for the prefill's tokens, then `sparse_decode` for the
     decoding rows' (one each); [T, H_q, D] in the batch's order, as `positions` [T]."""
     n = plan.extend_tokens
     prefill, decode = plan.extend, plan.decode
     column = prefill.column(place)
-    o_extend = sparse_extend(q[:n], k[:n], v[:n], sm_scale, prefill, column, buffers, policy, layer_id, guide, scales)
+    o_extend = sparse_extend(
+        q[:n], k[:n], v[:n], sm_scale, prefill, column, buffers, policy, layer_id, guide, scales, sliding_window
+    )
     o_decode = sparse_decode(
-        q[n:], k[n:], v[n:], sm_scale, decode, decode.column(place), buffers, policy, positions[n:], scales
+        q[n:],
+        k[n:],
+        v[n:],
+        sm_scale,
+        decode,
+        decode.column(place),
+        buffers,
+        policy,
+        positions[n:],
+        scales,
+        sliding_window,
     )
     return torch.cat([o_extend, o_decode.view(-1, *o_extend.shape[1:])])
 

@@ -122,15 +122,17 @@ class SparseForward:
         positions: torch.Tensor,
         scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor:
-        """One sparse layer of a prefill (or mixed) forward: q [T, H_q, D] -> [T, H_q, D];
-        `scales`: the layer's, for an FP8 KV cache."""
+        """One sparse or sliding layer of a prefill (or mixed) forward: q [T, H_q, D] ->
+        [T, H_q, D]; `scales`: the layer's, for an FP8 KV cache."""
         place = self.state.layout.layer_places[layer_id]
         lane, policy, guide = self.state.lanes[place.lane], self.state.policy, self._guide
+        window = self.state.layout.groups[place.group].sliding_window
         if isinstance(self.plan, MixedPlan):
-            o = sparse_mixed(q, k, v, sm_scale, self.plan, place, lane, policy, positions, layer_id, guide, scales)
+            plan = self.plan
+            o = sparse_mixed(q, k, v, sm_scale, plan, place, lane, policy, positions, layer_id, guide, scales, window)
         else:
             column = self.plan.column(place)
-            o = sparse_extend(q, k, v, sm_scale, self.plan, column, lane, policy, layer_id, guide, scales)
+            o = sparse_extend(q, k, v, sm_scale, self.plan, column, lane, policy, layer_id, guide, scales, window)
         self._after_layer(layer_id)
         return o
 
@@ -147,7 +149,9 @@ class SparseForward:
         """One sparse layer of a decode step: q [B, H_q, D] -> [B, H_q, D]."""
         place = self.state.layout.layer_places[layer_id]
         lane, policy = self.state.lanes[place.lane], self.state.policy
-        o = sparse_decode(q, k, v, sm_scale, self.plan, self.plan.column(place), lane, policy, positions, scales)
+        window = self.state.layout.groups[place.group].sliding_window
+        column = self.plan.column(place)
+        o = sparse_decode(q, k, v, sm_scale, self.plan, column, lane, policy, positions, scales, window)
         self._after_layer(layer_id)
         return o
 

@@ -4,9 +4,11 @@ A sparse layer replaces its attention by plain causal softmax attention over the
 keeps, with one K and one V per token and KV head (`sparse_attention.py`). Whatever a model's
 attention adds to that would be dropped without a word: a server that starts and answers, wrongly.
 So a model whose config declares any of these is refused in one line naming the reason:
-- sliding-window, chunked or hybrid layers (a window, or layers of other kinds: linear attention,
-  state-space) - the sparse layers attend over every kept key; a window at least as long as the
-  model's context is never reached and is served as full attention;
+- chunked or hybrid layers (linear attention, state-space), and a sliding window without the
+  `layer_types` that say which layers slide - the sparse layers attend over every kept key.
+  Sliding-window layers named by `layer_types` (Gemma 3) are served as sliding layers, which keep
+  and read their window (`SparsityConfig.resolve`); a window at least as long as the model's
+  context is never reached and is served as full attention;
 - attention logit soft-capping (Gemma 2) - the kernels do not cap logits;
 - learned attention sinks (gpt-oss) - the kernels add no sink logit to a softmax
   (docs/experiments/2026-12-06-gpt-oss.md: what serving it would take);
@@ -24,10 +26,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from sglang_kvsparse.config import ResolvedSparsity, SparsityConfig
 from sglang_kvsparse.server.serving_defaults import LaunchError, ModelShape
 
-#: `layer_types` entries of plain full attention (any other kind is a different layer), and of a
-#: window, which is full attention when the window is never reached (`sliding_window`).
+#: `layer_types` entries of plain full attention and of a sliding window (served as sliding
+#: layers, or as full attention when the window is never reached: `sliding_window`); any other
+#: kind is a layer the sparse layers do not serve.
 FULL_ATTENTION_LAYER = "full_attention"
 SLIDING_ATTENTION_LAYER = "sliding_attention"
 #: Model types whose attention adds a learned sink logit per head (in its weights, not its config).
@@ -64,12 +68,20 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
     """The layer count, context length and KV shape sparsity is validated against."""
     text = text_config(config)
     num_heads = text["num_attention_heads"]
+    window = sliding_window(text)
     return ModelShape(
         num_layers=text["num_hidden_layers"],
         context_len=text.get("max_position_embeddings", 0),
         num_kv_heads=text.get("num_key_value_heads") or num_heads,
         head_dim=text.get("head_dim") or text["hidden_size"] // num_heads,
+        sliding_layers=sliding_layers(text) if window else (),
+        sliding_window=window,
     )
+
+
+def sliding_layers(text: dict[str, Any]) -> tuple[int, ...]:
+    """The layers `layer_types` names as sliding-window ones."""
+    return tuple(i for i, kind in enumerate(text.get("layer_types") or ()) if kind == SLIDING_ATTENTION_LAYER)
 
 
 def sliding_window(text: dict[str, Any]) -> int:
@@ -85,18 +97,28 @@ def sliding_window(text: dict[str, Any]) -> int:
     return 0 if context and window >= context else window
 
 
+def resolve_for_model(
+    config: SparsityConfig, model_config: dict[str, Any], num_layers: int, context_len: int
+) -> ResolvedSparsity:
+    """`config` resolved for a model (its config.json as a dict; the layer count and context length
+    the server runs it with), its sliding-window layers as sliding layers."""
+    text = text_config(model_config)
+    window = sliding_window(text)
+    return config.resolve(num_layers, context_len, sliding_layers(text) if window else (), window)
+
+
 def unsupported_features(config: dict[str, Any]) -> list[str]:
     """Why the sparse layers cannot serve this model (empty: they can)."""
     text = text_config(config)
     attn = text.get("attn_config") or {}  # MPT keeps its attention settings apart
     found = []
     window = sliding_window(text)
-    full_kinds = {FULL_ATTENTION_LAYER} | ({SLIDING_ATTENTION_LAYER} if window == 0 else set())
-    other_layers = sorted({kind for kind in text.get("layer_types") or () if kind not in full_kinds})
+    served = {FULL_ATTENTION_LAYER, SLIDING_ATTENTION_LAYER}
+    other_layers = sorted({kind for kind in text.get("layer_types") or () if kind not in served})
     if other_layers:
         found.append(f"layers of other kinds ({', '.join(other_layers)})")
-    if window:
-        found.append("sliding-window attention")
+    if window and not text.get("layer_types"):
+        found.append("a sliding window without layer_types (which layers slide is not declared)")
     if text.get("model_type") in ATTENTION_SINK_MODEL_TYPES:
         found.append("learned attention sinks (a logit per head the sparse kernels do not add)")
     if text.get("attention_chunk_size"):

@@ -103,7 +103,7 @@ def sparsity_from_args(args: argparse.Namespace) -> SparsityConfig:
 def validate_for_model(config: SparsityConfig, shape: ModelShape) -> None:
     """Check the configuration against the model: layer indices inside it, budgets that fit."""
     try:
-        config.resolve(shape.num_layers, shape.context_len)
+        config.resolve(shape.num_layers, shape.context_len, shape.sliding_layers, shape.sliding_window)
     except SparsityConfigError as exc:
         raise LaunchError(str(exc)) from None
 

@@ -32,6 +32,9 @@ class ModelShape:
     context_len: int
     num_kv_heads: int
     head_dim: int
+    #: The layers whose attention reads only the last `sliding_window` keys (`model_support`).
+    sliding_layers: tuple[int, ...] = ()
+    sliding_window: int = 0
 
 
 def gpu_available() -> bool:

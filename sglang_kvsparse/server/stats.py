@@ -28,7 +28,7 @@ class LayerStats:
     """One layer: entries its running requests hold, and the most it could hold (the heap's rows)."""
 
     layer: int
-    kind: str  # "full" or "sparse"
+    kind: str  # "full", "sparse" or "sliding"
     budget: int | None
     slots_in_use: int
     slots_total: int
@@ -156,7 +156,7 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
         else:
             group = group_stats[place.group]
             entries = (group.rows - group.score_rows) // group.columns
-            layers.append(LayerStats(layer, "sparse", group.budget, entries, total))
+            layers.append(LayerStats(layer, state.resolved.kinds[layer], group.budget, entries, total))
     dense = sum(dense_kv_bytes(int(n), layout.num_layers, bpt, page) for n in state.requests.length[running])
     return SparseStats(
         config=state.config.to_dict(),

@@ -88,8 +88,8 @@ def waits_for_guide(state: SparseState, seq_len: int, budget: int = 0) -> bool:
     the guide in some group, so that its new tokens wait for it (`guide_rows`)."""
     lengths = torch.tensor([seq_len])
     for group in state.groups:
-        guided = state.resolved.guided(torch.tensor([budget or group.spec.budget]), lengths)
-        if guided is not None and bool(guided.any()):
+        guided = state.resolved.guided(group.budgets(torch.tensor([budget])), lengths)
+        if guided is not None and not group.spec.sliding_window and bool(guided.any()):
             return True
     return False
 

@@ -9,6 +9,8 @@ allocator hands out rows, and every owner draws from it:
 * **sparse layers**, in *columns* of up to `lanes` layers: entry j of a request in a column is one
   row, and the column's layer on lane m keeps its j-th kept key there. Columns with the same
   budget form a `GroupSpec`; its requests advance in lockstep, so one table serves all its columns;
+* **sliding layers** (the model's sliding-window layers), in columns and groups of their own, as
+  sparse layers of budget sliding window + sink whose entries are ranked by recency;
 * **the prefix store**: one row per column for each cached prompt token (uncompressed K/V);
 * **scores**: a request that can outgrow a group's `max_entries` (so will evict) keeps one float32
   score per KV head for each of its entries, in *score rows*: the K bytes of one row hold
@@ -48,6 +50,8 @@ class GroupSpec:
 
     `max_entries` (budget + evict_page, capped at the context length) bounds every request;
     `score_rows`: rows (whole pages) of one column's scores for a request that evicts.
+    `sliding_window`: 0 for sparse layers; for sliding layers the keys their attention reads (the
+    last W), which the group keeps for every request whatever its own budget or policy.
     """
 
     index: int
@@ -55,6 +59,7 @@ class GroupSpec:
     max_entries: int
     columns: tuple[Column, ...]
     score_rows: int
+    sliding_window: int = 0
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -100,17 +105,18 @@ class HeapLayout:
         bytes (`scores_per_row(head_dim, dtype_bytes)`)."""
         full = resolved.full_layers
         lanes = max(len(full), 1)
-        ordered = sorted(resolved.sparse_layers, key=lambda layer: (-resolved.budget(layer), layer))
-        chunks = [tuple(ordered[i : i + lanes]) for i in range(0, len(ordered), lanes)]
-        by_budget: dict[int, list[Column]] = {}
-        for chunk in chunks:
-            budget = max(resolved.budget(layer) for layer in chunk)
-            by_budget.setdefault(budget, []).append(Column(tuple(sorted(chunk))))
-        groups = []
-        for index, (budget, columns) in enumerate(sorted(by_budget.items())):
-            max_entries = min(budget + resolved.config.evict_page, resolved.context_len)
-            score_rows = _score_rows(max_entries, scores_per_row, page_size)
-            groups.append(GroupSpec(index, budget, max_entries, tuple(columns), score_rows))
+        groups: list[GroupSpec] = []
+        for layers, window in ((resolved.sparse_layers, 0), (resolved.sliding_layers, resolved.sliding_window)):
+            ordered = sorted(layers, key=lambda layer: (-resolved.budget(layer), layer))
+            chunks = [tuple(ordered[i : i + lanes]) for i in range(0, len(ordered), lanes)]
+            by_budget: dict[int, list[Column]] = {}
+            for chunk in chunks:
+                budget = max(resolved.budget(layer) for layer in chunk)
+                by_budget.setdefault(budget, []).append(Column(tuple(sorted(chunk))))
+            for budget, columns in sorted(by_budget.items()):
+                max_entries = min(budget + resolved.config.evict_page, resolved.context_len)
+                score_rows = _score_rows(max_entries, scores_per_row, page_size)
+                groups.append(GroupSpec(len(groups), budget, max_entries, tuple(columns), score_rows, window))
         slots = {
             layer: LayerPlace(group.index, c, lane)
             for group in groups
@@ -153,8 +159,9 @@ class HeapLayout:
         return len(group.columns) * (entries + scores)
 
     def max_entries(self, group: GroupSpec, budget: int = 0) -> int:
-        """Most entries a request with its own `budget` (0: the group's) holds in the group."""
-        if not budget:
+        """Most entries a request with its own `budget` (0: the group's) holds in the group (a
+        sliding group's whatever the request's own)."""
+        if not budget or group.sliding_window:
             return group.max_entries
         return min(budget + self.evict_page, self.context_len)
 
@@ -169,8 +176,14 @@ class HeapLayout:
 
     def guide_rows(self, tokens: int) -> int:
         """Heap rows `tokens` new tokens of a guided prefill wait in, one per sparse column (whole
-        pages), from the sparse layers' own attention until the guide has chosen."""
-        return round_up(tokens, self.page_size) * self.num_columns
+        pages; sliding columns keep by recency), from the sparse layers' own attention until the
+        guide has chosen."""
+        return round_up(tokens, self.page_size) * self.guided_columns
+
+    @property
+    def guided_columns(self) -> int:
+        """Columns of sparse layers: those a guide may choose for (sliding ones never)."""
+        return sum(len(group.columns) for group in self.groups if not group.sliding_window)
 
     def widest_request(self, group: GroupSpec) -> int:
         """Most entries any request holds in the group: its own or the largest request budget's."""
@@ -193,11 +206,16 @@ class HeapLayout:
 
     def describe(self) -> str:
         """One line for the start-up log."""
-        groups = ", ".join(f"{len(g.columns)} x budget {g.budget}" for g in self.groups) or "none"
+        groups = ", ".join(_describe_group(g) for g in self.groups) or "none"
         idle = f"; {self.idle_lanes} lane(s) idle in the last column" if self.idle_lanes else ""
         return (
             f"{self.lanes} lane(s) per heap row; full layers {list(self.full_layers)}; sparse columns: {groups}{idle}"
         )
+
+
+def _describe_group(group: GroupSpec) -> str:
+    sliding = f" (sliding window {group.sliding_window})" if group.sliding_window else ""
+    return f"{len(group.columns)} x budget {group.budget}{sliding}"
 
 
 def _score_rows(max_entries: int, per_row: int, page_size: int) -> int:

@@ -95,6 +95,20 @@ class SparseGroup:
     def columns(self) -> int:
         return len(self.spec.columns)
 
+    def budgets(self, own: torch.Tensor) -> torch.Tensor:
+        """The budgets in this group of requests with these own budgets (0: the group's): the
+        group's in a sliding group, whose budget is what its layers' attention reads."""
+        if self.spec.sliding_window:
+            return torch.full_like(own, self.spec.budget)
+        return torch.where(own > 0, own, self.spec.budget)
+
+    def max_entries(self, own: torch.Tensor, evict_page: int, context_len: int) -> torch.Tensor:
+        """The most entries in this group of requests with these own budgets (`budgets`): they
+        evict on reaching them."""
+        if self.spec.sliding_window:
+            return torch.full_like(own, self.spec.max_entries)
+        return torch.where(own > 0, (own + evict_page).clamp(max=context_len), self.spec.max_entries)
+
     def score_slots(self, req_indices: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Score slots [n, columns] of entries at `positions` of these requests (both [n]): in the
         request's score rows, or scratch slots in the padding row for a request that never evicts."""

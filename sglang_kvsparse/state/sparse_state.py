@@ -261,8 +261,9 @@ class SparseState:
             evicting = list(olds)
             members: dict[tuple[int, ScoringPolicy | None], list[int]] = {}
             budgets = self.budgets(group, torch.tensor(evicting, dtype=torch.int64)).tolist()
+            sliding = bool(group.spec.sliding_window)  # ranked by recency, whatever the request's policy
             for req_idx, budget in zip(evicting, budgets):
-                members.setdefault((budget, self.requests.policy[req_idx]), []).append(req_idx)
+                members.setdefault((budget, None if sliding else self.requests.policy[req_idx]), []).append(req_idx)
             for (budget, policy), indices in members.items():
                 evicting_groups.append(EvictingRequests(g, budget, policy, indices, [olds[i] for i in indices]))
             self.counters.add(evictions=len(evicting))
@@ -281,12 +282,13 @@ class SparseState:
         """How much of a radix match of `prefix_ids` a prefill of `seq_len` tokens (at this own
         budget; 0: the groups') can reuse: the leading ids with store entries, whole pages only,
         leaving the last `window` tokens (the queries the policies score with) to a prefill that
-        selects; one that keeps every token in every group reuses the whole match, as stock
-        SGLang does. 0 without a store."""
+        selects by score; one that keeps every token in every sparse group reuses the whole match,
+        as stock SGLang does. 0 without a store."""
         if self.store is None:
             return 0
         self.released.settle()  # adoptions that have landed
-        selects = any(seq_len > (own_budget or group.spec.budget) for group in self.groups)
+        scored = (group for group in self.groups if not group.spec.sliding_window)  # recency needs no queries
+        selects = any(seq_len > int(group.budgets(torch.tensor([own_budget]))[0]) for group in scored)
         usable = max(min(self.store.valid_prefix_len(prefix_ids), seq_len - (self.config.window if selects else 0)), 0)
         return usable - usable % self.page_size
 
@@ -313,15 +315,12 @@ class SparseState:
         return int(self.requests.running().sum())
 
     def budgets(self, group: SparseGroup, req_indices: torch.Tensor) -> torch.Tensor:
-        """Each of these requests' budget in the group: its own, or the group's."""
-        own = self.requests.budget[req_indices]
-        return torch.where(own > 0, own, group.spec.budget)
+        """Each of these requests' budget in the group (`SparseGroup.budgets`)."""
+        return group.budgets(self.requests.budget[req_indices])
 
     def max_entries(self, group: SparseGroup, req_indices: torch.Tensor) -> torch.Tensor:
         """Each of these requests' most entries in the group (it evicts on reaching them)."""
-        own = self.requests.budget[req_indices]
-        mine = (own + self.config.evict_page).clamp(max=self.resolved.context_len)
-        return torch.where(own > 0, mine, group.spec.max_entries)
+        return group.max_entries(self.requests.budget[req_indices], self.config.evict_page, self.resolved.context_len)
 
     def describe_heap(self) -> str:
         """Who holds the heap's rows, for an error message."""
@@ -346,22 +345,24 @@ class SparseState:
 
     # -- a prefill's store and guide rows (begin_extend) ---------------------------------
     def _take_guide_rows(self, step: ExtendStep) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
-        """(per sparse column, the heap rows [n] the new tokens of the requests some group keeps by
+        """(per column, the heap rows [n] (none in a sliding column) the new tokens of the requests some group keeps by
         the guide wait in; their positions [n] among the batch's new tokens). Admission charged them
         (`prefill_charge`); they go back once the forward has been issued."""
         seq_lens = step.seq_lens
         waiting = torch.zeros(len(step.req_indices), dtype=torch.bool)
         for group in self.groups:
             guided = self.resolved.guided(self.budgets(group, step.req_indices), seq_lens)
-            if guided is not None:
+            if guided is not None and not group.spec.sliding_window:
                 waiting |= guided & ~step.partial
         if not bool(waiting.any()):
             return (), None
         positions = ranges(indptr(step.extend_lens)[:-1][waiting], step.extend_lens[waiting])
         rows = self.layout.guide_rows(positions.numel())
         self.counters.peak(guide_rows_peak=rows)
-        taken = self.heap.take_for_forward(rows).view(self.layout.num_columns, -1)
-        return tuple(taken[:, : positions.numel()]), positions
+        taken = iter(self.heap.take_for_forward(rows).view(self.layout.guided_columns, -1)[:, : positions.numel()])
+        none = torch.empty(0, dtype=torch.int64)
+        rows_of = [none if g.spec.sliding_window else next(taken) for g in self.groups for _ in range(g.columns)]
+        return tuple(rows_of), positions
 
     def _use_store(
         self, step: ExtendStep, prefix_ids: Sequence[torch.Tensor], new_ids: torch.Tensor

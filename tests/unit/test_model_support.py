@@ -7,24 +7,28 @@ import json
 import pytest
 
 from sglang_kvsparse import launch_server
+from sglang_kvsparse.config import SparsityConfig
 from sglang_kvsparse.server import options
-from sglang_kvsparse.server.model_support import check_supported, read_config, unsupported_features
+from sglang_kvsparse.server.model_support import (
+    check_supported,
+    model_shape,
+    read_config,
+    resolve_for_model,
+    unsupported_features,
+)
 from sglang_kvsparse.server.serving_defaults import LaunchError
 
+NO_LAYER_TYPES = "a sliding window without layer_types (which layers slide is not declared)"
 SHAPE = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
 
 REFUSED = {
     "gemma-2 (sliding window, soft-capping)": (
         {"model_type": "gemma2", "sliding_window": 4096, "attn_logit_softcapping": 50.0},
-        ["sliding-window attention", "attention logit soft-capping"],
+        [NO_LAYER_TYPES, "attention logit soft-capping"],
     ),
-    "gemma-3 (hybrid layers)": (
-        {"model_type": "gemma3_text", "sliding_window": 1024, "layer_types": ["sliding_attention", "full_attention"]},
-        ["layers of other kinds (sliding_attention)", "sliding-window attention"],
-    ),
-    "mistral-7b-v0.1 (sliding window)": (
+    "mistral-7b-v0.1 (sliding window, no layer_types)": (
         {"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768},
-        ["sliding-window attention"],
+        [NO_LAYER_TYPES],
     ),
     "gpt-oss-20b (window layers, attention sinks)": (
         {
@@ -37,11 +41,7 @@ REFUSED = {
             "layer_types": ["sliding_attention", "full_attention"] * 12,
             "num_local_experts": 32,
         },
-        [
-            "layers of other kinds (sliding_attention)",
-            "sliding-window attention",
-            "learned attention sinks (a logit per head the sparse kernels do not add)",
-        ],
+        ["learned attention sinks (a logit per head the sparse kernels do not add)"],
     ),
     "llama-4 (chunked attention)": ({"model_type": "llama4_text", "attention_chunk_size": 8192}, ["chunked attention"]),
     "qwen3-next (linear attention)": (
@@ -93,6 +93,12 @@ SERVED = {
         "sliding_window": 262144,
         "max_position_embeddings": 131072,
     },
+    "gemma-3 (sliding and global layers)": {
+        "model_type": "gemma3_text",
+        "sliding_window": 1024,
+        "max_position_embeddings": 131072,
+        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    },
     "window layers whose window is never reached": {
         "model_type": "x",
         "sliding_window": 8192,
@@ -141,7 +147,19 @@ def test_the_launcher_refuses_before_sglang_starts_and_stock_mode_does_not_check
     monkeypatch.delenv(options.CONFIG_ENV, raising=False)
     monkeypatch.setattr(launch_server, "gpu_available", lambda: True)  # no CPU engine switch in this process
     argv = ["--model-path", str(tmp_path), "--port", "0"]
-    with pytest.raises(LaunchError, match="sparse layers cannot serve Gemma2ForCausalLM: sliding-window attention"):
+    with pytest.raises(LaunchError, match="sparse layers cannot serve Gemma2ForCausalLM: a sliding window without"):
         launch_server.build_sglang_argv(argv)
     assert launch_server.build_sglang_argv([*argv, "--kvsparse-preset", "off"])  # stock SGLang: served as is
     monkeypatch.delenv(options.CONFIG_ENV, raising=False)
+
+
+def test_sliding_layers_come_from_layer_types_and_a_window_never_reached_is_none():
+    gemma3 = {**SHAPE, **SERVED["gemma-3 (sliding and global layers)"]}
+    shape = model_shape(gemma3)
+    assert (shape.sliding_layers, shape.sliding_window) == ((0, 1, 2), 1024)
+    resolved = resolve_for_model(SparsityConfig(full_layers=(0, 3), budget=64), gemma3, 4, 131072)
+    assert resolved.kinds == ("sliding", "sliding", "sliding", "full")  # a listed sliding layer stays sliding
+    assert resolved.budgets == (1028, 1028, 1028, None)  # window + sink
+    never = {**SHAPE, **SERVED["window layers whose window is never reached"]}
+    assert (model_shape(never).sliding_layers, model_shape(never).sliding_window) == ((), 0)
+    assert resolve_for_model(SparsityConfig(budget=64), never, 4, 8192).kinds == ("sparse",) * 4
