@@ -50,12 +50,36 @@ SUPPORTED: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {"model_type": "mistral", "hidden_act": "silu", "sliding_window": None},
     "Qwen3ForCausalLM": {"model_type": "qwen3", "hidden_act": "silu", "tie_word_embeddings": True},
     "GemmaForCausalLM": {"model_type": "gemma", "hidden_act": "gelu_pytorch_tanh", "head_dim": 64},
+    # Sliding-window layers 0, 1 and 3 (a window shorter than the prompt: the window path), layer 2
+    # global: its layer 0 "full" is a sliding layer, so layer 2 is the one sparse layer.
+    "Gemma3ForCausalLM": {
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 64,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+    },
+    # A window as long as the context (Ministral-8B-2410's 32,768 of 32,768): full attention.
+    "Mistral-window-of-context": {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "hidden_act": "silu",
+        "sliding_window": SHAPE["max_position_embeddings"],
+    },
 }
 
 #: Architectures the launcher must refuse (see `sglang_kvsparse/server/model_support.py`).
 REFUSED: dict[str, dict[str, Any]] = {
     "Gemma2ForCausalLM": {"model_type": "gemma2", "sliding_window": 4096, "attn_logit_softcapping": 50.0},
     "DeepseekV3ForCausalLM": {"model_type": "deepseek_v3", "kv_lora_rank": 512, "q_lora_rank": 1536},
+    "GptOssForCausalLM": {
+        "model_type": "gpt_oss",
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_local_experts": 4,
+    },
 }
 
 SPARSITY = ("--kvsparse-full-layers", "0", "--kvsparse-budget", "64")
@@ -88,7 +112,9 @@ def serve_once(architecture: str, folder: Path, log_dir: Path) -> dict[str, Any]
             requests.post(f"{url}/flush_cache", timeout=60)
             time.sleep(1)
             heap = requests.get(f"{url}/kvsparse/stats", timeout=60).json()["heap"]
+            kinds = [layer["kind"] for layer in stats["replicas"][0]["tp_ranks"][0]["layers"]]
             result.update(
+                layer_kinds={kind: kinds.count(kind) for kind in sorted(set(kinds))},
                 output_tokens=len(answer.get("output_ids", [])),
                 evictions=stats["evictions"],
                 requests_running_after=stats["requests_running"],
@@ -133,12 +159,14 @@ def write_report(paths: ReportPaths, report: dict[str, Any]) -> None:
         f"tokens and {NEW_TOKENS} new ones (the sparse layers select at prefill and evict while "
         "decoding), then idle with every heap row back after a cache flush.",
         "",
-        "| architecture | served | output tokens | evictions | heap rows back | error |",
-        "|---|---|---:|---:|---|---|",
+        "| architecture | served | layers by kind | output tokens | evictions | heap rows back | error |",
+        "|---|---|---|---:|---:|---|---|",
     ]
     for row in report["supported"]:
         lines.append(
-            f"| {row['architecture']} | {'yes' if row['served'] else '**no**'} | {row.get('output_tokens', '')} "
+            f"| {row['architecture']} | {'yes' if row['served'] else '**no**'} "
+            f"| {', '.join(f'{n} {kind}' for kind, n in row.get('layer_kinds', {}).items())} "
+            f"| {row.get('output_tokens', '')} "
             f"| {row.get('evictions', '')} | {row.get('heap_rows_back', '')} | {row['error'] or ''} |"
         )
     lines += ["", "Refused by the launcher before SGLang starts:", "", "| architecture | refused | the line |"]

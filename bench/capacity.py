@@ -46,6 +46,7 @@ from common.systems import (
 from serving_profiles import PROJECT_BUDGET_256, PROJECT_DEFAULT, PROJECT_GUIDED, PROJECT_OFF, Variant
 
 from kvsparse_testbed.server import ServerProcess, ServerStartError, peak_running_requests
+from sglang_kvsparse.server.model_support import resolve_for_model
 from sglang_kvsparse.server.options import add_sparsity_arguments, sparsity_from_args
 from sglang_kvsparse.state.layout import HeapLayout, capacity_ratio, scores_per_row
 
@@ -150,6 +151,31 @@ def _sparse_check(input_len: int, pool: int, count: int, note: str = "") -> Capa
     )
 
 
+#: Gemma 3 270M with its three global layers full: its sliding layers keep their window, lossless.
+GEMMA_GLOBALS_FULL = ("--kvsparse-full-layers", "5,11,17")
+
+
+def _gemma(input_len: int, pool: int, count: int, dummy: bool = False) -> CapacityProfile:
+    """Gemma 3 270M: `count` requests of `input_len` + 32 tokens in the KV bytes of a `pool`-token
+    dense pool, stock against the global layers full and the default. Real weights, or (`dummy`)
+    dummy weights of its exact KV shape with one query head, so that stock's prefill of a long
+    prompt costs less on this machine."""
+    weights = "dummy weights of its KV shape (one query head)" if dummy else "real weights"
+    model = ("gemma-3-270m-dummy", "kv-one-head") if dummy else ("gemma-3-270m", "full")
+    return CapacityProfile(
+        name=f"gemma-{input_len // 1000}k",
+        description=f"Gemma 3 270M, {weights} (15 sliding-window layers of 512, 3 global): {count} requests "
+        f"of {input_len:,} + 32 tokens in the KV bytes of a {pool:,}-token dense pool "
+        f"({pool // (input_len + 32)} stock request(s)). The sliding layers keep their window; "
+        "`globals-full` keeps the global layers whole (lossless); `default` is the default preset (its "
+        "full layer 0 is a sliding layer, so the global layers are sparse).",
+        server=_cpu_server(pool, model=model[0], shape=model[1]),
+        workloads=(_one(input_len, 32, count),),
+        variants=(Variant("globals-full", GEMMA_GLOBALS_FULL), Variant("default", PROJECT_DEFAULT)),
+        client_timeout_s=5400.0,
+    )
+
+
 PROFILES: dict[str, CapacityProfile] = {
     profile.name: profile
     for profile in (
@@ -217,6 +243,8 @@ PROFILES: dict[str, CapacityProfile] = {
                 System("default-fp8", PROJECT_DEFAULT, kv_dtype="fp8_e4m3"),
             ),
         ),
+        _gemma(4000, 16384, 16),
+        _gemma(16000, 32768, 10, dummy=True),
         CapacityProfile(
             name="cpu",
             description="Default model on the CPU: 24 requests of 2,000 + 128 tokens into the KV bytes "
@@ -348,7 +376,8 @@ def heap_bound(
     if not config.enabled:
         return 1.0
     head_dim = model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
-    resolved = config.resolve(model_config["num_hidden_layers"], model_config["max_position_embeddings"])
+    layers, context = model_config["num_hidden_layers"], model_config["max_position_embeddings"]
+    resolved = resolve_for_model(config, model_config, layers, context)
     return capacity_ratio(HeapLayout.from_resolved(resolved, scores_per_row(head_dim, value_bytes)), length)
 
 

@@ -349,12 +349,14 @@ def extend_attention_with_stats_torch(
         q_len, kv_len = qo[b + 1] - qo[b], kv[b + 1] - kv[b]
         if q_len == 0:
             continue
-        slots = kv_indices[kv[b] : kv[b + 1]].long()
+        # With a window, the keys before the first query's window are read by no query.
+        first = max(kv_len - q_len - window + 1, 0) if window else 0
+        slots = kv_indices[kv[b] + first : kv[b + 1]].long()
         k = k_buf[slots].to(acc_dtype)  # [L, H_kv, D]
         v = v_buf[slots].to(acc_dtype)
         qb = q[qo[b] : qo[b + 1]].to(acc_dtype)  # [T, H_q, D]
         pos = kv_len - q_len + torch.arange(q_len, device=q.device)
-        keys = torch.arange(kv_len, device=q.device)[None, :]
+        keys = torch.arange(first, kv_len, device=q.device)[None, :]
         visible = keys <= pos[:, None]  # [T, L]
         if window:
             visible &= keys > pos[:, None] - window

@@ -17,7 +17,8 @@ from typing import Any
 #: Config overrides of a dummy model's shapes. "dry-run": the same architecture, vocabulary and
 #: rope settings, small enough to start and run on two cores in seconds. "kv": the model's exact
 #: KV shape (layers, KV heads, head dim, context length) with a tiny hidden size, so memory
-#: accounting, admission and capacity behave as at the real size while compute is negligible.
+#: accounting, admission and capacity behave as at the real size while compute is negligible
+#: ("kv-one-head": the same for a model with one KV head).
 SHAPES: dict[str, dict[str, int]] = {
     "full": {},
     "dry-run": {
@@ -29,6 +30,9 @@ SHAPES: dict[str, dict[str, int]] = {
         "head_dim": 64,
     },
     "kv": {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8},
+    # "kv" for a model of one KV head (Gemma 3 270M): one query head, so the attention's compute
+    # shrinks with the rest while the KV shape stays exact.
+    "kv-one-head": {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 1},
 }
 
 

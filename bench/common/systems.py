@@ -19,6 +19,7 @@ import psutil
 
 from common.models import default_model, prepare_dummy_model
 from kvsparse_testbed.server import ServerProcess, free_port
+from sglang_kvsparse.models import MODELS, ensure_model
 from sglang_kvsparse.server.options import CONFIG_ENV
 from sglang_kvsparse.server.parallelism import THREADS_BIND_ENV, binding_for_this_process
 from sglang_kvsparse.server.serving_defaults import gpu_available
@@ -32,8 +33,9 @@ LAUNCHERS = {
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """What both systems share. ``model``: ``"default"`` or a folder name under bench/models
-    (served with dummy weights). ``device``: ``"cpu"``, ``"gpu"`` or ``"auto"``."""
+    """What both systems share. ``model``: ``"default"``, another embedded model's name
+    (`sglang_kvsparse.models.MODELS`, real weights) or a folder name under bench/models (served
+    with dummy weights). ``device``: ``"cpu"``, ``"gpu"`` or ``"auto"``."""
 
     model: str
     device: str
@@ -55,6 +57,8 @@ def prepare_model(settings: ServerSettings, work_dir: Path) -> tuple[Path, list[
     """The model folder and the load arguments it needs."""
     if settings.model == "default":
         return default_model(), []
+    if settings.model in MODELS:
+        return ensure_model(settings.model), []
     folder = prepare_dummy_model(settings.model, work_dir / "model", shape=settings.shape)
     return folder, ["--load-format", "dummy"]
 
@@ -82,6 +86,7 @@ def shared_server_args(settings: ServerSettings, model_dir: Path, load_args: lis
         args += ["--tp-size", str(settings.tp_size)]
     if settings.kv_cache_dtype is not None:
         args += ["--kv-cache-dtype", settings.kv_cache_dtype]
+
     if not settings.on_gpu:
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
     return args

@@ -178,10 +178,11 @@ class SparseForward:
 
     def _prefill_guide(self, plan: ForwardPlan) -> PrefillGuide | None:
         """A guide for this prefill when the configuration names guide layers and some sparse
-        layer selects for a request the guide chooses for (`ColumnPlan.guided`)."""
+        layer selects for a request the guide chooses for (`ColumnPlan.guided`; None in a sliding
+        column)."""
         guide_layers = self.state.resolved.guide_layers
-        columns = [column for group in plan.columns for column in group if column.compress]
-        if guide_layers and any(bool(column.guided.any()) for column in columns):
+        guided = [column.guided for group in plan.columns for column in group if column.compress]
+        if guide_layers and any(g is not None and bool(g.any()) for g in guided):
             return PrefillGuide(guide_layers)
         return None
 

@@ -48,7 +48,8 @@ def gemma_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def gemma_servers(gemma_dir, tmp_path_factory):
-    """Stock SGLang, and the launcher with the global layers full (every other layer slides)."""
+    """Stock SGLang, the launcher with the global layers full (every other layer slides), and the
+    launcher's default (its full layer 0 slides: the global layers are sparse)."""
     log_dir = tmp_path_factory.mktemp("gemma-logs")
     stock_env = {**server_env(), "SGLANG_USE_CPU_ENGINE": "1"}
     cpu = ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
@@ -57,6 +58,8 @@ def gemma_servers(gemma_dir, tmp_path_factory):
     sliding = [PYTHON, "-m", "sglang_kvsparse.launch_server", "--model-path", NAME, *COMMON, *full_globals]
     servers = {"stock": Server("gemma-stock", stock, log_dir, stock_env)}
     servers["sliding"] = Server("gemma-sliding", sliding, log_dir, server_env())
+    default = [PYTHON, "-m", "sglang_kvsparse.launch_server", "--model-path", NAME, *COMMON]
+    servers["default"] = Server("gemma-default", default, log_dir, server_env())
     try:
         for server in servers.values():
             server.wait_ready()
@@ -112,6 +115,20 @@ def test_prefix_hits_equal_stock(gemma_servers):
         assert mine["output_ids"] == stock_out["output_ids"]
     assert sliding.stats()["prefix_hits"] - hits_before == len(prompts)
     assert_at_rest(sliding)
+
+
+def test_the_default_selects_in_the_global_layers_and_recalls(gemma_servers):
+    """The default preset: the global layers keep 1,024 entries chosen by score (the prompt is
+    longer), the others their window; a pass key 2,000 tokens back is still recalled."""
+    server = gemma_servers["default"]
+    prompt = passkey_prompts(seed=7, lengths=(2100,), depths=(0.1,))[0]
+    answer = server.generate(prompt.user_message + " The pass key is", MAX_NEW_TOKENS)
+    assert answer["meta_info"]["prompt_tokens"] > 2000 and prompt.answer in answer["text"], answer["text"]
+    rank = server.stats()["replicas"][0]["tp_ranks"][0]
+    kinds = {layer["kind"] for layer in rank["layers"]}
+    assert kinds == {"sparse", "sliding"}  # layer 0, the preset's full layer, slides
+    assert sorted((g["budget"], g["columns"]) for g in rank["heap"]["groups"]) == [(WINDOW + 4, 15), (1024, 3)]
+    assert_at_rest(server)
 
 
 @pytest.mark.extended

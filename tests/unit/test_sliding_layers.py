@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_kvsparse.config import SparsityConfig
+from sglang_kvsparse.config import SparsityConfig, SparsityConfigError
 from sglang_kvsparse.config.request_sparsity import RequestSparsity
 from sglang_kvsparse.forward.eviction import evict_planned
 from sglang_kvsparse.forward.planning import plan_decode, plan_extend
@@ -128,21 +128,26 @@ def test_sliding_layers_attend_as_the_model_does_through_prefill_decode_and_evic
     assert heap.free_rows() == free_before
 
 
-def test_a_guided_prefill_waits_in_rows_of_the_sparse_columns_only():
+@pytest.mark.parametrize("guide_below", [None, 0.25], ids=["guided", "own scores"])
+def test_a_guided_prefill_waits_in_rows_of_the_sparse_columns_only(guide_below):
     """With guide layers, a guided request's new tokens wait in rows of each sparse column until
-    the guide has chosen; sliding columns keep by recency at once and take none."""
-    state, heap = make_state(**LAYERS, context=256, rows=512, budget=12, window=2, guide_from=0.5)
+    the guide has chosen; sliding columns keep by recency at once and take none. A request whose
+    budget is a large enough share of its prompt keeps by each layer's own scores: no rows wait."""
+    state, heap = make_state(
+        **LAYERS, context=256, rows=512, budget=12, window=2, guide_from=0.5, guide_below=guide_below
+    )
     assert state.resolved.guide_layers == (2,) and state.layout.guided_columns == 1
     free_before = heap.free_rows()
     forward = SparseForward(state)
-    prompt = 40
+    prompt = 40 if guide_below is None else 30  # 12 is above a quarter of 30
     q, k, v = torch.randn(prompt, H_KV * GROUP, D), torch.randn(prompt, H_KV, D), torch.randn(prompt, H_KV, D)
     state.expect([1], [prompt + 4])
     grow(state, [1], [prompt])
     taken = heap.free_rows()
     no_ids = torch.zeros(prompt, dtype=torch.int64)
     forward.begin_extend([1], [0], [prompt], [], no_ids, no_ids)
-    assert taken - heap.free_rows() == prompt  # one sparse column's rows, none for the sliding ones
+    waiting = prompt if guide_below is None else 0
+    assert taken - heap.free_rows() == waiting  # one sparse column's rows, none for the sliding ones
     outputs = {layer: forward.extend(q, k, v, layer, SM_SCALE, torch.arange(prompt)) for layer in (0, 2, 3)}
     state.finish_forward()
     assert heap.free_rows() == taken
@@ -150,3 +155,18 @@ def test_a_guided_prefill_waits_in_rows_of_the_sparse_columns_only():
     torch.testing.assert_close(outputs[3], expected, atol=1e-5, rtol=1e-5)
     state.free(1)
     assert heap.free_rows() == free_before
+
+
+def test_resolve_takes_the_models_sliding_layers():
+    config = SparsityConfig(full_layers=(0, 2), budget=64, sink=4, guide_from=0.0, max_request_budget=128)
+    resolved = config.resolve(4, 1000, sliding_layers=(0, 1), sliding_window=100)
+    assert resolved.kinds == ("sliding", "sliding", "full", "sparse")
+    assert resolved.budgets == (104, 104, None, 64)
+    assert resolved.guide_layers == (3,) and resolved.request_cap == 128  # sliding layers neither guide nor cap
+    assert resolved.heap_layers == (0, 1, 3) and resolved.sliding_window == 100
+    assert config.resolve(4, 50, (0,), 100).budgets[0] == 50  # within the context
+    with pytest.raises(SparsityConfigError, match="sliding_window must be a positive integer"):
+        config.resolve(4, 1000, sliding_layers=(1,), sliding_window=0)
+    with pytest.raises(SparsityConfigError, match="outside its 4 layers"):
+        config.resolve(4, 1000, sliding_layers=(4,), sliding_window=100)
+    assert SparsityConfig(enabled=False).resolve(4, 1000, (0,), 100).kinds == ("full",) * 4
