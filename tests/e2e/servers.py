@@ -17,6 +17,8 @@ import requests
 
 from kvsparse_testbed.server import ServerProcess, free_port
 
+from .prompts import long_prompt
+
 PYTHON = sys.executable
 
 #: SGLang's admission made optimistic: running requests are charged a twentieth of the output
@@ -128,3 +130,21 @@ def assert_at_rest(server: Server) -> dict:
     for rank in every_rank(server.stats()):
         assert rank["heap"]["free"] == rank["heap"]["rows_total"], rank["heap"]
     return stats
+
+
+def assert_prefix_hits_equal_stock(sparse: Server, stock: Server, max_new_tokens: int) -> None:
+    """Three prompts sharing a cached ~1,600-token prefix, one at a time: the sparse server reuses
+    as much of it as stock (nothing selects by score there: the whole match) and answers as stock
+    does, token for token; each is counted as a prefix hit."""
+    prefix = long_prompt(7000)
+    prompts = [prefix + suffix for suffix in ("\nIn one sentence:", "\nThe main idea is", "\nA title for it:")]
+    for server in (sparse, stock):
+        server.flush_cache()
+        server.generate(prefix, 1)
+    hits_before = sparse.stats()["prefix_hits"]
+    ours = [sparse.generate(prompt, max_new_tokens) for prompt in prompts]
+    theirs = [stock.generate(prompt, max_new_tokens) for prompt in prompts]
+    for mine, stock_out in zip(ours, theirs):
+        assert mine["meta_info"]["cached_tokens"] == stock_out["meta_info"]["cached_tokens"] > 1000
+        assert mine["output_ids"] == stock_out["output_ids"]
+    assert sparse.stats()["prefix_hits"] - hits_before == len(prompts)

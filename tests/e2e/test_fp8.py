@@ -27,7 +27,7 @@ import sglang as sgl
 from sglang_kvsparse.server.serving_defaults import CPU_MAX_TOTAL_TOKENS
 
 from .prompts import SHORT_PROMPTS, long_prompt
-from .servers import assert_at_rest, assert_every_slot_back
+from .servers import assert_at_rest, assert_every_slot_back, assert_prefix_hits_equal_stock
 from .test_frontend import capital_quiz
 from .test_regression_guard import lost_answers
 
@@ -53,19 +53,7 @@ def test_fp8_sparse_layers_with_full_budgets_match_fp8_stock(fp8_sparse_server, 
 
 
 def test_fp8_prefix_hits_match_fp8_stock(fp8_sparse_server, fp8_stock_server):
-    prefix = long_prompt(7000)
-    prompts = [prefix + suffix for suffix in ("\nIn one sentence:", "\nThe main idea is", "\nA title for it:")]
-    for server in (fp8_sparse_server, fp8_stock_server):
-        server.flush_cache()
-        server.generate(prefix, 1)
-    hits_before = fp8_sparse_server.stats()["prefix_hits"]
-    ours = [fp8_sparse_server.generate(prompt, MAX_NEW_TOKENS) for prompt in prompts]
-    theirs = [fp8_stock_server.generate(prompt, MAX_NEW_TOKENS) for prompt in prompts]
-    for mine, stock_out in zip(ours, theirs):
-        # nothing to select at this budget: the whole match is reused, as stock reuses it
-        assert mine["meta_info"]["cached_tokens"] == stock_out["meta_info"]["cached_tokens"] > 1000
-        assert mine["output_ids"] == stock_out["output_ids"]
-    assert fp8_sparse_server.stats()["prefix_hits"] - hits_before == len(prompts)
+    assert_prefix_hits_equal_stock(fp8_sparse_server, fp8_stock_server, MAX_NEW_TOKENS)
 
 
 def test_fp8_heap_rows_hold_one_byte_a_value(fp8_sparse_server):

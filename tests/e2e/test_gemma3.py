@@ -22,7 +22,7 @@ import pytest
 from kvsparse_testbed.retrieval import passkey_prompts
 
 from .prompts import long_prompt
-from .servers import PYTHON, Server, assert_at_rest, server_env
+from .servers import PYTHON, Server, assert_at_rest, assert_prefix_hits_equal_stock, server_env
 
 pytestmark = pytest.mark.e2e
 
@@ -101,20 +101,8 @@ def test_window_layers_slide_and_outputs_equal_stock(gemma_servers):
 
 
 def test_prefix_hits_equal_stock(gemma_servers):
-    sliding, stock = gemma_servers["sliding"], gemma_servers["stock"]
-    prefix = long_prompt(7000)
-    prompts = [prefix + suffix for suffix in ("\nIn one sentence:", "\nThe main idea is", "\nA title for it:")]
-    for server in (sliding, stock):
-        server.flush_cache()
-        server.generate(prefix, 1)
-    hits_before = sliding.stats()["prefix_hits"]
-    ours = [sliding.generate(prompt, MAX_NEW_TOKENS) for prompt in prompts]
-    theirs = [stock.generate(prompt, MAX_NEW_TOKENS) for prompt in prompts]
-    for mine, stock_out in zip(ours, theirs):
-        assert mine["meta_info"]["cached_tokens"] == stock_out["meta_info"]["cached_tokens"] > 1000
-        assert mine["output_ids"] == stock_out["output_ids"]
-    assert sliding.stats()["prefix_hits"] - hits_before == len(prompts)
-    assert_at_rest(sliding)
+    assert_prefix_hits_equal_stock(gemma_servers["sliding"], gemma_servers["stock"], MAX_NEW_TOKENS)
+    assert_at_rest(gemma_servers["sliding"])
 
 
 def test_the_default_selects_in_the_global_layers_and_recalls(gemma_servers):
