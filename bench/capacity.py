@@ -243,7 +243,7 @@ PROFILES: dict[str, CapacityProfile] = {
                 System("default-fp8", PROJECT_DEFAULT, kv_dtype="fp8_e4m3"),
             ),
         ),
-        _gemma(4000, 16384, 16),
+        _gemma(4000, 16384, 20),
         _gemma(16000, 32768, 10, dummy=True),
         CapacityProfile(
             name="cpu",
