@@ -76,8 +76,8 @@ class ResolvedSparsity:
     def max_entries(self, layer: int) -> int:
         """Most entries one request can hold in the layer at any time.
 
-        Full: the context length. Sparse and sliding: budget + evict_page (eviction runs when a layer reaches
-        it), capped at the context length because a sequence never grows beyond it.
+        Full: the context length. Sparse and sliding: budget + evict_page (eviction runs when a
+        layer reaches it), capped at the context length because a sequence never grows beyond it.
         """
         value = self.budgets[layer]
         if value is None:
