@@ -54,11 +54,12 @@ def prefill_peak_rows(state: SparseState, prompt_len: int, chunk_size: int | Non
     """Most heap rows a prompt's prefill holds: its SGLang ids and entries, and, prefilled in
     chunks of `chunk_size`, its earlier chunks in the prefix store until the last chunk has
     read them, and, when it keeps by the guide, its last forward's tokens for the length of
-    that forward (`guide_rows`): together at most one row per sparse column and token."""
+    that forward (`guide_rows`): together at most one row per sparse layers' column and
+    token, and in the sliding columns what they still read (`PrefixStore.chunked_rows`)."""
     held = state.layout.rows_held(prompt_len, budget)
     chunked = chunk_size is not None and 0 < chunk_size < prompt_len and state.store is not None
-    if chunked:  # the earlier chunks in the store and a guided last chunk's tokens: one row per column
-        return held + state.store.rows_per_block * -(-prompt_len // state.page_size)
+    if chunked:
+        return held + state.store.chunked_rows(prompt_len, chunk_size)
     return held + (state.layout.guide_rows(prompt_len) if waits_for_guide(state, prompt_len, budget) else 0)
 
 
@@ -88,8 +89,8 @@ def waits_for_guide(state: SparseState, seq_len: int, budget: int = 0) -> bool:
     the guide in some group, so that its new tokens wait for it (`guide_rows`)."""
     lengths = torch.tensor([seq_len])
     for group in state.groups:
-        guided = state.resolved.guided(group.budgets(torch.tensor([budget])), lengths)
-        if guided is not None and not group.spec.sliding_window and bool(guided.any()):
+        guided = group.guided(state.resolved, torch.tensor([budget]), lengths)
+        if guided is not None and bool(guided.any()):
             return True
     return False
 

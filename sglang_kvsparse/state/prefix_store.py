@@ -22,6 +22,15 @@ that forward has been issued. A prompt prefilled in chunks *holds* its blocks fr
 that stored them until its last chunk has read them: they are that request's only copy of its
 earlier chunks' sparse-layer K/V, not a cache entry.
 
+Sliding columns (a model's sliding-window layers) read only the sinks and the last `window`
+tokens before a prefill's first query. A held chunk's block that is neither is *narrowable*: the
+heap takes back its sliding pages on demand, after the least recently used whole blocks, so a
+chunked prompt holds its earlier chunks in the sparse layers' columns only (its peak counted by
+`chunked_rows`). Until then the block is a whole cache entry. A narrowed block's entries still
+serve the sparse layers' columns, and a prefix hit reuses a cut whose sinks and last `window`
+tokens are in wide blocks (`valid_prefix_len`); `lookup` points a narrowed block's sliding
+columns at the padding row (slot 0), which the prefill's window mask never lets count.
+
 Validity: an entry is valid while SGLang holds its full-pool id for that token (a running request
 or the radix tree). When SGLang frees the id, `forget` drops the entry, and a block whose entries
 are all gone gives its rows back. Only prefill-computed K/V are stored: a decoded token's
@@ -34,15 +43,32 @@ either way, and the next turn of a conversation can reuse them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from sglang_kvsparse.state.layout import HeapLayout
 
 
 class PrefixStore:
     """Full-pool id -> entry, and each block's heap pages, pins and last use."""
 
-    def __init__(self, num_full_ids: int, columns: int, page_size: int, max_blocks: int) -> None:
+    def __init__(
+        self,
+        num_full_ids: int,
+        columns: int,
+        page_size: int,
+        max_blocks: int,
+        sliding: Sequence[bool] = (),
+        sliding_reads: tuple[int, int] = (0, 0),
+    ) -> None:
+        """`sliding`: per column, whether it is a sliding layers' column (default none);
+        `sliding_reads`: (sink, window), what a sliding column reads or keeps of a prompt."""
         self.columns = columns
         self.page_size = page_size
+        self.sliding = torch.tensor(list(sliding) or [False] * columns, dtype=torch.bool)
+        self.sink, self.window = sliding_reads
+        self.sliding_rows_per_block = int(self.sliding.sum()) * page_size
         self.entry_of = torch.zeros(num_full_ids, dtype=torch.int64)  # 0: no entry
         blocks = max_blocks + 1  # block 0 is never used
         self.base = torch.zeros(blocks, columns, dtype=torch.int64)  # first heap row per column
@@ -51,18 +77,38 @@ class PrefixStore:
         self.last_use = torch.full((blocks,), -1, dtype=torch.int64)  # -1: free block
         self.pins = torch.zeros(blocks, dtype=torch.int64)
         self.holds = torch.zeros(blocks, dtype=torch.int64)  # chunked prompts still to read the block
-        #: Request index -> the blocks its prompt so far is in, held until its last chunk has read them.
-        self.held_by: dict[int, torch.Tensor] = {}
+        self.wide = torch.ones(blocks, dtype=torch.bool)  # its sliding pages still held
+        self.wide_pins = torch.zeros(blocks, dtype=torch.int64)  # pins that read its sliding pages too
+        self.wide_holds = torch.zeros(blocks, dtype=torch.int64)  # holds that will read them
+        #: Request index -> (the blocks its prompt so far is in, those its sliding columns read),
+        #: held until its last chunk has read them.
+        self.held_by: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._free = list(range(max_blocks, 0, -1))
         self._clock = 0
-        #: Reclaimable blocks, counted again only after a change (SGLang asks for the free size
+        #: Reclaimable rows, counted again only after a change (SGLang asks for the free size
         #: several times a step, and a count scans every block); `_pinned`: whether any pin is set.
-        self._reclaimable_blocks: int | None = 0
+        self._reclaimable_rows: int | None = 0
         self._pinned = False
+
+    @classmethod
+    def for_layout(cls, layout: HeapLayout, heap_rows: int, sink: int) -> PrefixStore:
+        """The store of a heap of `heap_rows` rows (ids 1..heap_rows) laid out by `layout`: as
+        many blocks as its rows hold, narrowed where it has sliding columns."""
+        sliding = [bool(group.sliding_window) for group in layout.groups for _ in group.columns]
+        window = max((group.sliding_window for group in layout.groups), default=0)
+        narrow_rows = (len(sliding) - sum(sliding)) * layout.page_size
+        blocks = heap_rows // max(narrow_rows if any(sliding) else len(sliding) * layout.page_size, layout.page_size)
+        return cls(heap_rows + layout.page_size, len(sliding), layout.page_size, blocks, sliding, (sink, window))
 
     @property
     def rows_per_block(self) -> int:
+        """Heap rows of a wide block (every column)."""
         return self.columns * self.page_size
+
+    @property
+    def narrow_rows_per_block(self) -> int:
+        """Heap rows of a narrowed block (the sparse layers' columns only)."""
+        return self.rows_per_block - self.sliding_rows_per_block
 
     # -- queries ---------------------------------------------------------------------------
     def blocks(self) -> int:
@@ -70,31 +116,62 @@ class PrefixStore:
 
     def rows(self) -> int:
         """Heap rows the store holds."""
-        return self.blocks() * self.rows_per_block
+        return int(self._block_rows()[self.last_use >= 0].sum())
 
     def reclaimable_rows(self) -> int:
-        """Heap rows the store would give back on demand (its unpinned blocks')."""
-        if self._reclaimable_blocks is None:
-            self._reclaimable_blocks = int(self._reclaimable().sum())
-        return self._reclaimable_blocks * self.rows_per_block
+        """Heap rows the store would give back on demand: its unpinned, unheld blocks' and its
+        narrowable blocks' sliding pages."""
+        if self._reclaimable_rows is None:
+            self._reclaimable_rows = self._free_rows_of(torch.nonzero(self.last_use >= 0).flatten())
+        return self._reclaimable_rows
 
-    def valid_prefix_len(self, full_ids: torch.Tensor) -> int:
-        """How many leading ids have an entry."""
-        present = self.entry_of[full_ids.long()] > 0
-        return int(present.cumprod(0).sum()) if present.numel() else 0
+    def chunked_rows(self, tokens: int, chunk: int) -> int:
+        """Most heap rows a prompt of `tokens` prefilled in chunks of `chunk` holds here before
+        its last chunk, its narrowable sliding pages taken back: every token's block in the
+        sparse layers' columns; in the sliding columns the blocks of its sinks, of the last
+        `window` tokens so far and of the chunk being stored (each may straddle one more page)."""
+        page = self.page_size
+        blocks = -(-tokens // page)
+        if not self.sliding_rows_per_block:
+            return blocks * self.rows_per_block
+        wide = min(blocks, -(-self.sink // page) + -(-self.window // page) + -(-chunk // page) + 2)
+        return blocks * self.narrow_rows_per_block + wide * self.sliding_rows_per_block
+
+    def valid_prefix_len(self, full_ids: torch.Tensor, limit: int | None = None) -> int:
+        """How many leading ids a prefill can reuse: each has an entry, and the sliding columns
+        still hold the sinks and the last `window` of them (wide blocks). `limit`: the most
+        wanted; the answer is then a whole number of pages."""
+        entries = self.entry_of[full_ids.long()]
+        n = int((entries > 0).cumprod(0).sum()) if entries.numel() else 0
+        step = 1
+        if limit is not None:
+            step = self.page_size
+            n = max(min(n, limit), 0) // step * step
+        narrowed = ~self.wide[entries[:n] // self.page_size]
+        if not bool(narrowed.any()):
+            return n
+        before = torch.cat([torch.zeros(1, dtype=torch.int64), narrowed.cumsum(0)])  # narrowed in [0, p)
+        cut = torch.arange(0, n + 1, step)
+        window_ok = before[cut] == before[(cut - self.window).clamp(min=0)]
+        sinks_ok = before[cut.clamp(max=self.sink)] == 0
+        return int(cut[window_ok & sinks_ok].max())
 
     def lookup(self, full_ids: torch.Tensor) -> torch.Tensor:
-        """Heap rows [n, columns] of the ids' entries; every id must have one."""
+        """Heap rows [n, columns] of the ids' entries (a narrowed block's sliding columns: the
+        padding row, 0); every id must have one."""
         entries = self.entry_of[full_ids.long()]
         if bool((entries == 0).any()):
             raise KeyError("a full-pool id has no prefix-store entry (evicted before its prefill read it?)")
         block, offset = entries // self.page_size, entries % self.page_size
-        return self.base[block] + offset[:, None]
+        rows = self.base[block] + offset[:, None]
+        narrowed = ~self.wide[block]
+        if bool(narrowed.any()):
+            rows[narrowed[:, None] & self.sliding[None, :]] = 0
+        return rows
 
     def unpinned_rows_of(self, full_ids: torch.Tensor) -> int:
         """Heap rows that pinning the ids would stop being reclaimable."""
-        blocks = self.blocks_of(full_ids)
-        return int(((self.pins[blocks] == 0) & (self.holds[blocks] == 0)).sum()) * self.rows_per_block
+        return self._free_rows_of(self.blocks_of(full_ids))
 
     def blocks_of(self, full_ids: torch.Tensor) -> torch.Tensor:
         """The distinct blocks holding the ids' entries (ids without one are skipped)."""
@@ -112,12 +189,13 @@ class PrefixStore:
             return torch.empty(0, self.columns, dtype=torch.int64)
         blocks = torch.tensor([self._free.pop() for _ in range(count)], dtype=torch.int64)
         self.base[blocks] = rows[: count * per_block].view(count, self.columns, self.page_size)[:, :, 0]
+        self.wide[blocks] = True
         ids = torch.zeros(count * self.page_size, dtype=torch.int64)
         ids[:stored] = full_ids[:stored].long()
         self.ids[blocks] = ids.view(count, self.page_size)
         self.live[blocks] = (self.ids[blocks] > 0).sum(1)
         self._stamp(blocks)
-        self._reclaimable_blocks = None
+        self._reclaimable_rows = None
         entries = (blocks[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)[:stored]
         self.entry_of[ids[:stored]] = entries
         return self.lookup(ids[:stored])
@@ -128,53 +206,73 @@ class PrefixStore:
         self._stamp(torch.unique_consecutive(blocks[blocks > 0]))
 
     def pin(self, full_ids: torch.Tensor) -> None:
-        """Keep the ids' blocks until `unpin` (or `unpin_all`): a prefill will read them."""
+        """Keep the ids' blocks, every column, until `unpin` (or `unpin_all`): a prefill will
+        read them."""
         self.pin_blocks(self.blocks_of(full_ids))
 
-    def pin_blocks(self, blocks: torch.Tensor) -> None:
+    def pin_blocks(self, blocks: torch.Tensor, wide: torch.Tensor | None = None) -> None:
+        """Pin `blocks`, and the sliding pages of `wide` (some of them; default all) too."""
+        wide = blocks if wide is None else wide
         self.pins[blocks] += 1
+        self.wide_pins[wide] += 1
         self._pinned = True
-        self._reclaimable_blocks = None
+        self._reclaimable_rows = None
 
     def unpin(self, full_ids: torch.Tensor) -> None:
         blocks = self.blocks_of(full_ids)
         self.pins[blocks] = (self.pins[blocks] - 1).clamp(min=0)
-        self._reclaimable_blocks = None
+        self.wide_pins[blocks] = (self.wide_pins[blocks] - 1).clamp(min=0)
+        self._reclaimable_rows = None
 
-    def hold(self, blocks: torch.Tensor) -> None:
-        """Keep `blocks` (from `blocks_of`) until `release`, even if every entry is forgotten."""
+    def hold(self, blocks: torch.Tensor, wide: torch.Tensor | None = None) -> None:
+        """Keep `blocks` (from `blocks_of`) until `release`, even if every entry is forgotten,
+        and the sliding pages of `wide` (some of them; default all)."""
+        wide = blocks if wide is None else wide
         self.holds[blocks] += 1
-        self._reclaimable_blocks = None
+        self.wide_holds[wide] += 1
+        self._reclaimable_rows = None
 
-    def release(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Undo one `hold`; returns the heap rows of released blocks left without entries."""
+    def release(self, blocks: torch.Tensor, wide: torch.Tensor | None = None) -> torch.Tensor:
+        """Undo one `hold` (the same `wide`); returns the heap rows of released blocks left
+        without entries."""
+        wide = blocks if wide is None else wide
         self.holds[blocks] = (self.holds[blocks] - 1).clamp(min=0)
-        self._reclaimable_blocks = None
+        self.wide_holds[wide] = (self.wide_holds[wide] - 1).clamp(min=0)
+        self._reclaimable_rows = None
         return self._drop(blocks[(self.holds[blocks] == 0) & (self.live[blocks] == 0) & (self.last_use[blocks] >= 0)])
 
     def hold_for(self, req_idx: int, full_ids: torch.Tensor) -> torch.Tensor:
         """The request at `req_idx` continues its prefill in a later chunk that reads these ids
-        (its prompt so far): hold their blocks until then, in place of what it held before.
-        Returns the heap rows of blocks that leaves unheld and empty."""
-        blocks = self.blocks_of(full_ids)
-        self.hold(blocks)
+        (its prompt so far): hold their blocks until then, in place of what it held before, the
+        sliding pages only of its sinks and last `window` tokens. Returns the heap rows of blocks
+        that leaves unheld and empty."""
+        held = (self.blocks_of(full_ids), self.sliding_blocks_of(full_ids))
+        self.hold(*held)
         freed = self.release_held(req_idx)
-        self.held_by[req_idx] = blocks
+        self.held_by[req_idx] = held
         return freed
+
+    def sliding_blocks_of(self, full_ids: torch.Tensor) -> torch.Tensor:
+        """The blocks whose sliding pages a prefill after these ids (a prompt so far) reads:
+        those of its first `sink` and last `window` (every block without sliding columns)."""
+        if not self.sliding_rows_per_block:
+            return self.blocks_of(full_ids)
+        tail = full_ids[max(full_ids.numel() - self.window, 0) :]
+        return self.blocks_of(torch.cat([full_ids[: self.sink], tail]))
 
     def read_held(self, req_idx: int) -> torch.Tensor:
         """The request at `req_idx` is in its last chunk: what it held is pinned for this forward,
         after which it is an ordinary cache entry. Returns the heap rows the release freed."""
-        blocks = self.held_by.get(req_idx)
-        if blocks is None:
+        held = self.held_by.get(req_idx)
+        if held is None:
             return torch.empty(0, dtype=torch.int64)
-        self.pin_blocks(blocks)
+        self.pin_blocks(*held)
         return self.release_held(req_idx)
 
     def release_held(self, req_idx: int) -> torch.Tensor:
         """The request at `req_idx` holds nothing any more; returns the heap rows freed."""
-        blocks = self.held_by.pop(req_idx, None)
-        return torch.empty(0, dtype=torch.int64) if blocks is None else self.release(blocks)
+        held = self.held_by.pop(req_idx, None)
+        return torch.empty(0, dtype=torch.int64) if held is None else self.release(*held)
 
     def adopt(self, ours: torch.Tensor, theirs: torch.Tensor) -> int:
         """SGLang's tree holds the tokens of ids `ours` under ids `theirs` (same positions) and is
@@ -194,8 +292,9 @@ class PrefixStore:
     def unpin_all(self) -> None:
         if self._pinned:
             self.pins.zero_()
+            self.wide_pins.zero_()
             self._pinned = False
-            self._reclaimable_blocks = None
+            self._reclaimable_rows = None
 
     def forget(self, full_ids: torch.Tensor) -> torch.Tensor:
         """SGLang freed these ids: drop their entries; returns the heap rows of blocks left empty."""
@@ -212,26 +311,60 @@ class PrefixStore:
         return self._drop(empty)
 
     def reclaim(self, rows: int) -> torch.Tensor:
-        """Evict least recently used unpinned blocks worth at least `rows` heap rows (or all that
-        can go); returns their heap rows."""
+        """Give back at least `rows` heap rows (or all that can go): least recently used
+        unpinned, unheld blocks whole, then narrowable blocks' sliding pages; returns them."""
         if rows <= 0:
             return torch.empty(0, dtype=torch.int64)
-        candidates = torch.nonzero(self._reclaimable()).flatten()
-        need = -(-rows // self.rows_per_block)
-        oldest = candidates[torch.argsort(self.last_use[candidates], stable=True)[:need]]
-        return self._drop(oldest)
+        dropped = self._drop(self._oldest(self._reclaimable(), self._block_rows(), rows))
+        short = rows - dropped.numel()
+        if short <= 0 or not self.sliding_rows_per_block:
+            return dropped
+        sliding = torch.full_like(self.live, self.sliding_rows_per_block)
+        return torch.cat([dropped, self._narrow(self._oldest(self._narrowable(), sliding, short))])
 
     def clear(self) -> torch.Tensor:
         """Drop everything (SGLang flushed its cache); returns every heap row the store held."""
         self.unpin_all()
         self.holds.zero_()
+        self.wide_holds.zero_()
         self.held_by.clear()
-        self._reclaimable_blocks = None
+        self._reclaimable_rows = None
         return self._drop(torch.nonzero(self.last_use >= 0).flatten())
 
     # -- internals -------------------------------------------------------------------------
     def _reclaimable(self) -> torch.Tensor:
         return (self.last_use >= 0) & (self.pins == 0) & (self.holds == 0)
+
+    def _narrowable(self) -> torch.Tensor:
+        """Blocks not reclaimable whole whose sliding pages no pin or hold reads."""
+        if not self.sliding_rows_per_block:
+            return torch.zeros_like(self.wide)
+        unread = (self.wide_pins == 0) & (self.wide_holds == 0)
+        return self.wide & (self.last_use >= 0) & unread & ~self._reclaimable()
+
+    def _block_rows(self) -> torch.Tensor:
+        """Heap rows each block holds (if it is in use)."""
+        return torch.where(self.wide, self.rows_per_block, self.narrow_rows_per_block)
+
+    def _free_rows_of(self, blocks: torch.Tensor) -> int:
+        """Heap rows `reclaim` could take from `blocks`."""
+        whole = self._reclaimable()[blocks]
+        narrow = self._narrowable()[blocks]
+        return int(self._block_rows()[blocks][whole].sum()) + int(narrow.sum()) * self.sliding_rows_per_block
+
+    def _oldest(self, candidates: torch.Tensor, rows_each: torch.Tensor, rows: int) -> torch.Tensor:
+        """The least recently used of the `candidates` blocks (a mask) that give at least `rows`
+        heap rows, `rows_each` per block (all of them when they give fewer)."""
+        blocks = torch.nonzero(candidates).flatten()
+        blocks = blocks[torch.argsort(self.last_use[blocks], stable=True)]
+        given = rows_each[blocks]
+        return blocks[torch.cumsum(given, 0) - given < rows]  # the rows of the older ones fall short
+
+    def _narrow(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Give back `blocks`' sliding pages; returns their heap rows."""
+        self.wide[blocks] = False
+        self._reclaimable_rows = None
+        return (self.base[blocks][:, self.sliding][:, :, None] + torch.arange(self.page_size)).reshape(-1)
 
     def _drop(self, blocks: torch.Tensor) -> torch.Tensor:
         """Free `blocks`: clear the entries still pointing into them, return their heap rows."""
@@ -241,14 +374,18 @@ class PrefixStore:
         entries = (blocks[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
         ours = (ids > 0) & (self.entry_of[ids] == entries)
         self.entry_of[ids[ours]] = 0
-        rows = (self.base[blocks][:, :, None] + torch.arange(self.page_size)).reshape(-1)
+        held = self.wide[blocks][:, None] | ~self.sliding[None, :]  # [blocks, columns] pages still held
+        rows = (self.base[blocks][held][:, None] + torch.arange(self.page_size)).reshape(-1)
         self.ids[blocks] = 0
         self.live[blocks] = 0
         self.last_use[blocks] = -1
         self.pins[blocks] = 0
         self.holds[blocks] = 0
+        self.wide[blocks] = True
+        self.wide_pins[blocks] = 0
+        self.wide_holds[blocks] = 0
         self._free.extend(blocks.tolist())
-        self._reclaimable_blocks = None
+        self._reclaimable_rows = None
         return rows
 
     def _stamp(self, blocks: torch.Tensor) -> None:

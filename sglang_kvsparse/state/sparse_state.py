@@ -87,12 +87,8 @@ class SparseState:
                 SparseGroup(spec, table, first, scores, device_table, device_scores, self.scores_per_row)
             )
             first += len(spec.columns)
-        store_blocks = heap_rows // max(self.layout.num_columns * self.page_size, 1)
-        self.store = (
-            PrefixStore(heap_rows + self.page_size, self.layout.num_columns, self.page_size, store_blocks)
-            if prefix_cache and self.groups
-            else None
-        )
+        with_store = prefix_cache and self.groups
+        self.store = PrefixStore.for_layout(self.layout, heap_rows, self.config.sink) if with_store else None
         self.requests = Requests(max_requests)
         self.counters = Counters()
         #: SGLang's freed ids on their way to the host, for the prefix store (None without one).
@@ -280,17 +276,17 @@ class SparseState:
     # -- the prefix store ----------------------------------------------------------------
     def reusable_prefix_len(self, prefix_ids: torch.Tensor, seq_len: int, own_budget: int = 0) -> int:
         """How much of a radix match of `prefix_ids` a prefill of `seq_len` tokens (at this own
-        budget; 0: the groups') can reuse: the leading ids with store entries, whole pages only,
-        leaving the last `window` tokens (the queries the policies score with) to a prefill that
-        selects by score; one that keeps every token in every sparse group reuses the whole match,
-        as stock SGLang does. 0 without a store."""
+        budget; 0: the groups') can reuse: the leading ids with store entries whose sliding
+        columns still hold what the prefill reads (`PrefixStore.valid_prefix_len`), whole pages
+        only, leaving the last `window` tokens (the queries the policies score with) to a
+        prefill that selects by score; one that keeps every token in every sparse group reuses
+        the whole match, as stock SGLang does. 0 without a store."""
         if self.store is None:
             return 0
         self.released.settle()  # adoptions that have landed
         scored = (group for group in self.groups if not group.spec.sliding_window)  # recency needs no queries
         selects = any(seq_len > int(group.budgets(torch.tensor([own_budget]))[0]) for group in scored)
-        usable = max(min(self.store.valid_prefix_len(prefix_ids), seq_len - (self.config.window if selects else 0)), 0)
-        return usable - usable % self.page_size
+        return self.store.valid_prefix_len(prefix_ids, limit=seq_len - (self.config.window if selects else 0))
 
     def pin_prefix(self, prefix_ids: torch.Tensor) -> None:
         """Keep the prefix's store blocks until the forward that reads them has been issued."""
@@ -351,8 +347,8 @@ class SparseState:
         seq_lens = step.seq_lens
         waiting = torch.zeros(len(step.req_indices), dtype=torch.bool)
         for group in self.groups:
-            guided = self.resolved.guided(self.budgets(group, step.req_indices), seq_lens)
-            if guided is not None and not group.spec.sliding_window:
+            guided = group.guided(self.resolved, self.requests.budget[step.req_indices], seq_lens)
+            if guided is not None:
                 waiting |= guided & ~step.partial
         if not bool(waiting.any()):
             return (), None
@@ -373,11 +369,11 @@ class SparseState:
         A last chunk's held blocks are pinned for this forward; the tokens of chunks before a
         prompt's last are stored (admission charged their rows) and their request holds its prompt
         so far for its next chunk; only then, best effort, the other new tokens get store rows,
-        which may reclaim unpinned, unheld store blocks."""
+        which may reclaim unpinned, unheld store blocks (and narrow held ones: the prefix rows are
+        looked up last)."""
         store, index, partial, extend = self.store, step.req_indices, step.partial, step.extend_lens
         parts = [ids.to("cpu", torch.int64) for ids in prefix_ids]
         prefix = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-        prefix_rows = store.lookup(prefix)
         store.touch(prefix)
         for req_idx in index[~partial].tolist():
             self.heap.give(store.read_held(req_idx))  # pinned before any take below, which may reclaim the store
@@ -396,4 +392,4 @@ class SparseState:
         row_parts = [r for r in (chunk_rows, stored) if r is not None]
         rows = torch.cat(row_parts) if row_parts else torch.empty(0, store.columns, dtype=torch.int64)
         positions = torch.cat([must, rest[: 0 if stored is None else stored.shape[0]]])
-        return prefix_rows.T, rows.T, positions
+        return store.lookup(prefix).T, rows.T, positions  # after the takes, which may narrow blocks

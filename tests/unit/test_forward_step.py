@@ -19,12 +19,12 @@ def host_state(state, heap) -> dict:
     return {
         "counters": dataclasses.asdict(state.counters),
         "requests": [t.clone() for t in (requests.length, requests.final_len, requests.budget, requests.phase)],
-        "held": {i: b.clone() for i, b in store.held_by.items()},
+        "held": {i: tuple(b.clone() for b in held) for i, held in store.held_by.items()},
         "tables": [(g.table.table.clone(), g.table.counts.clone(), g.score_table.clone()) for g in state.groups],
         "evictions": [sorted(g.evictions) for g in state.groups],
         "free": heap.free_rows(),
         "deferred": state.heap.deferred_rows(),
-        "store": None if store is None else (store.entry_of.clone(), store.pins.clone(), store.holds.clone()),
+        "store": None if store is None else [t.clone() for t in (store.entry_of, store.pins, store.holds, store.wide)],
     }
 
 

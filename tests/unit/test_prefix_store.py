@@ -145,3 +145,35 @@ def test_held_blocks_outlive_their_entries_until_released():
     assert store.rows() == 8
     heap.give(store.release(blocks))
     assert store.rows() == 0 and heap.free_rows() == 64
+
+
+def test_a_held_prompts_sliding_pages_past_its_sinks_and_window_are_given_back_on_demand():
+    """Columns (a sparse layer's, a sliding one), pages of 2, sink 1, window 4: a chunked prompt
+    of 12 tokens holds blocks 1..6; the sliding pages of blocks 2..4 (tokens 2-7) are read by no
+    later chunk.
+    Reclaiming takes unheld cache blocks whole first, then those pages (oldest first); a
+    narrowed block reads as the padding row in its sliding column; a pin for the last chunk's
+    forward keeps the window's pages; everything comes back."""
+    heap = FreeList(64, 2)
+    store = PrefixStore(128, 2, 2, 32, sliding=(False, True), sliding_reads=(1, 4))
+    prompt, other = ids(1, 13), ids(40, 42)
+    put(store, heap, other)  # a cache entry, unheld: goes first
+    put(store, heap, prompt)
+    heap.give(store.hold_for(7, prompt))
+    assert store.rows() == 28 and store.reclaimable_rows() == 4 + 3 * 2
+    assert store.chunked_rows(12, 4) == 6 * 2 + min(6, 1 + 2 + 2 + 2) * 2
+    heap.give(store.reclaim(6))  # the cache entry (4 rows), then one block's sliding page
+    assert store.valid_prefix_len(other) == 0 and store.rows() == 22 and heap.free_rows() == 64 - 22
+    heap.give(store.reclaim(64))
+    assert store.rows() == 12 + 3 * 2 and store.reclaimable_rows() == 0
+    rows = store.lookup(prompt)
+    assert (rows[2:8, 1] == 0).all() and (rows[:2, 1] > 0).all() and (rows[8:, 1] > 0).all()
+    assert (rows[:, 0] > 0).all()  # the sparse layer's column keeps every token
+    assert store.valid_prefix_len(prompt) == 12  # its sinks and last window are wide
+    assert store.valid_prefix_len(prompt[:6], limit=6) == 2  # inside the narrowed part: the sinks' page
+    heap.give(store.read_held(7))  # the last chunk: pinned for its forward, the window's pages too
+    assert store.reclaimable_rows() == 0
+    store.unpin_all()  # now a cache entry
+    assert store.reclaimable_rows() == store.rows() == 18
+    heap.give(store.forget(prompt))
+    assert store.rows() == 0 and heap.free_rows() == 64
