@@ -61,7 +61,7 @@ def build_extend(state: SparseState, step: ExtendStep, device: torch.device | st
             )
         indices, scores = _indices(state, group, index)
         compress = bool((seq_lens > budgets)[~partial].any())
-        guided = None if group.spec.sliding_window else state.resolved.guided(budgets, seq_lens)
+        guided = group.guided(state.resolved, state.requests.budget[index], seq_lens)
         if guided is not None:
             guided &= ~partial
         staged_columns.append(

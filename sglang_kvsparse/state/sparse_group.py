@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sglang_kvsparse.config import ResolvedSparsity
 from sglang_kvsparse.state.entry_table import EntryTable, HeapError
 from sglang_kvsparse.state.layout import GroupSpec
 
@@ -101,6 +102,12 @@ class SparseGroup:
         if self.spec.sliding_window:
             return torch.full_like(own, self.spec.budget)
         return torch.where(own > 0, own, self.spec.budget)
+
+    def guided(self, resolved: ResolvedSparsity, own: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
+        """Which requests with these own budgets (`budgets`) and whole sequence lengths a
+        selecting prefill keeps by the guide here (`ResolvedSparsity.guided`); None where none
+        does: without guide layers, and in a sliding group, which keeps by recency."""
+        return None if self.spec.sliding_window else resolved.guided(self.budgets(own), seq_lens)
 
     def max_entries(self, own: torch.Tensor, evict_page: int, context_len: int) -> torch.Tensor:
         """The most entries in this group of requests with these own budgets (`budgets`): they
