@@ -50,14 +50,14 @@ SUPPORTED: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {"model_type": "mistral", "hidden_act": "silu", "sliding_window": None},
     "Qwen3ForCausalLM": {"model_type": "qwen3", "hidden_act": "silu", "tie_word_embeddings": True},
     "GemmaForCausalLM": {"model_type": "gemma", "hidden_act": "gelu_pytorch_tanh", "head_dim": 64},
-    # Sliding-window layers 0, 1 and 3 (a window shorter than the prompt: the window path), layer 2
-    # global: its layer 0 "full" is a sliding layer, so layer 2 is the one sparse layer.
+    # Sliding-window layers 0 and 2 (a window shorter than the prompt: the window path), layers 1 and
+    # 3 global: the listed full layer 0 slides, so layer 1 is full for it and layer 3 is sparse.
     "Gemma3ForCausalLM": {
         "model_type": "gemma3_text",
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": 64,
         "sliding_window": 128,
-        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         "rope_theta": 1000000.0,
         "rope_local_base_freq": 10000.0,
     },

@@ -243,7 +243,9 @@ class SparsityConfig:
         A sparse layer's effective budget is min(budget, context_len): a budget at or above the
         context length is valid and keeps every token. The model's `sliding_layers`, whose
         attention reads only the last `sliding_window` keys, are sliding layers whether or not
-        `full_layers` names them (keeping more than the window keeps what is never read again).
+        `full_layers` names them (keeping more than the window keeps what is never read again);
+        such a listed layer stands for the next layer that reads the whole context and is not
+        full yet, which is full instead (the default's first layer is Gemma 3's first global).
         Disabled configs resolve to all-full. Raises SparsityConfigError for a full layer outside
         the model or an explicit budget list whose length differs from the number of sparse layers.
         """
@@ -264,6 +266,9 @@ class SparsityConfig:
                     "full_layers", f"layer {layer} is outside the model ({num_layers} layers: 0..{num_layers - 1})"
                 )
         full = set(self.full_layers) - sliding
+        for listed in sorted(set(self.full_layers) & sliding):
+            later = [layer for layer in range(listed + 1, num_layers) if layer not in sliding | full]
+            full.update(later[:1])
         sparse = [layer for layer in range(num_layers) if layer not in full and layer not in sliding]
         budgets: list[int | None] = [None] * num_layers
         for layer, value in zip(sparse, self._sparse_budgets(len(sparse))):

@@ -49,7 +49,8 @@ def gemma_dir() -> Path:
 @pytest.fixture(scope="module")
 def gemma_servers(gemma_dir, tmp_path_factory):
     """Stock SGLang, the launcher with the global layers full (every other layer slides), and the
-    launcher's default (its full layer 0 slides: the global layers are sparse)."""
+    launcher's default (its full layer 0 slides: the first global layer, 5, is full instead, and
+    the other two are sparse)."""
     log_dir = tmp_path_factory.mktemp("gemma-logs")
     stock_env = {**server_env(), "SGLANG_USE_CPU_ENGINE": "1"}
     cpu = ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
@@ -106,16 +107,18 @@ def test_prefix_hits_equal_stock(gemma_servers):
 
 
 def test_the_default_selects_in_the_global_layers_and_recalls(gemma_servers):
-    """The default preset: the global layers keep 1,024 entries chosen by score (the prompt is
-    longer), the others their window; a pass key 2,000 tokens back is still recalled."""
+    """The default preset: global layer 5 full (for the preset's layer 0, which slides), global
+    layers 11 and 17 keep 1,024 entries chosen by score (the prompt is longer), the others their
+    window; a pass key 2,000 tokens back is still recalled."""
     server = gemma_servers["default"]
     prompt = passkey_prompts(seed=7, lengths=(2100,), depths=(0.1,))[0]
     answer = server.generate(prompt.user_message + " The pass key is", MAX_NEW_TOKENS)
     assert answer["meta_info"]["prompt_tokens"] > 2000 and prompt.answer in answer["text"], answer["text"]
     rank = server.stats()["replicas"][0]["tp_ranks"][0]
-    kinds = {layer["kind"] for layer in rank["layers"]}
-    assert kinds == {"sparse", "sliding"}  # layer 0, the preset's full layer, slides
-    assert sorted((g["budget"], g["columns"]) for g in rank["heap"]["groups"]) == [(WINDOW + 4, 15), (1024, 3)]
+    kinds = [layer["kind"] for layer in rank["layers"]]
+    assert [i for i, kind in enumerate(kinds) if kind != "sliding"] == list(GLOBAL_LAYERS)
+    assert kinds[GLOBAL_LAYERS[0]] == "full" and kinds[0] == "sliding"  # the preset's layer 0 slides
+    assert sorted((g["budget"], g["columns"]) for g in rank["heap"]["groups"]) == [(WINDOW + 4, 15), (1024, 2)]
     assert_at_rest(server)
 
 
@@ -129,3 +132,24 @@ def test_an_8000_token_prompt_equals_stock(gemma_servers):
     assert mine["output_ids"] == theirs["output_ids"]
     assert prompt.answer in mine["text"]
     assert_at_rest(sliding)
+
+
+@pytest.mark.extended
+def test_a_prompt_near_the_pools_size_is_served_in_chunks_as_stock(gemma_servers, tmp_path):
+    """A pool of 2,950 tokens (one stock request's bytes) and a ~2,900-token prompt in chunks of
+    1,024: the earlier chunks wait in the prefix store, whose sliding columns hold only what
+    they still read (the rest given back on demand). Served, as stock serves it, with stock's
+    answer; before, admission refused it as exceeding the KV memory budget."""
+    options = ["--dtype", "float32", "--chunked-prefill-size", "1024", "--max-total-tokens", "2950"]
+    full_globals = ["--kvsparse-full-layers", ",".join(map(str, GLOBAL_LAYERS))]
+    argv = [PYTHON, "-m", "sglang_kvsparse.launch_server", "--model-path", NAME, *options, *full_globals]
+    server = Server("gemma-tight", argv, tmp_path, server_env())
+    try:
+        server.wait_ready()
+        prompt = long_prompt(12000)
+        mine = server.generate(prompt, MAX_NEW_TOKENS)
+        assert 2048 < mine["meta_info"]["prompt_tokens"] <= 2950 - MAX_NEW_TOKENS, mine["meta_info"]
+        assert mine["output_ids"] == gemma_servers["stock"].generate(prompt, MAX_NEW_TOKENS)["output_ids"]
+        assert_at_rest(server)
+    finally:
+        server.stop()

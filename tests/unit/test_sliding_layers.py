@@ -158,7 +158,7 @@ def test_a_guided_prefill_waits_in_rows_of_the_sparse_columns_only(guide_below):
 
 
 def test_resolve_takes_the_models_sliding_layers():
-    config = SparsityConfig(full_layers=(0, 2), budget=64, sink=4, guide_from=0.0, max_request_budget=128)
+    config = SparsityConfig(full_layers=(2,), budget=64, sink=4, guide_from=0.0, max_request_budget=128)
     resolved = config.resolve(4, 1000, sliding_layers=(0, 1), sliding_window=100)
     assert resolved.kinds == ("sliding", "sliding", "full", "sparse")
     assert resolved.budgets == (104, 104, None, 64)
@@ -170,3 +170,71 @@ def test_resolve_takes_the_models_sliding_layers():
     with pytest.raises(SparsityConfigError, match="outside its 4 layers"):
         config.resolve(4, 1000, sliding_layers=(4,), sliding_window=100)
     assert SparsityConfig(enabled=False).resolve(4, 1000, (0,), 100).kinds == ("full",) * 4
+
+
+def prefill(state, req_indices, prefix_lens, extend_lens, prefix_ids, new_ids, q, k, v) -> dict[int, torch.Tensor]:
+    """SGLang's order for one prefill step (allocate, plan, every sparse layer, finish the
+    forward); each sparse layer's output."""
+    grow(state, req_indices, [p + e for p, e in zip(prefix_lens, extend_lens)])
+    plan = plan_extend(state, req_indices, prefix_lens, extend_lens, prefix_ids, new_ids)
+    outputs = {}
+    for layer, place in state.layout.layer_places.items():
+        window = state.layout.groups[place.group].sliding_window
+        column, lane = plan.column(place), state.lanes[place.lane]
+        outputs[layer] = sparse_extend(q, k, v, SM_SCALE, plan, column, lane, state.policy, sliding_window=window)
+    state.finish_forward()
+    return outputs
+
+
+def test_a_chunked_prompt_under_pressure_holds_what_its_sliding_layers_read_and_stays_exact():
+    """A prompt prefilled in chunks while the heap wants every row it can get: the heap takes
+    back its earlier chunks' sliding pages except the sinks and the last window (the store then
+    holds the sparse layer's column for every token and, within `chunked_rows`, what the sliding columns
+    read); every chunk's sliding layers still equal the model's windowed attention and its
+    sparse layer the unchunked prompt's; a later prompt reuses the whole prompt, or of a cut
+    inside the narrowed part only the sinks; every row comes back."""
+    make = dict(**LAYERS, context=256, rows=1024, budget=12, window=2, prefix_cache=True)
+    prompt, chunk = 40, 8
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(prompt, heads, D, generator=gen) for heads in (H_KV * GROUP, H_KV, H_KV))
+    whole_state, whole_heap = make_state(**make)
+    whole_state.expect([1], [prompt + 8], [prompt])
+    whole = prefill(whole_state, [1], [0], [prompt], [torch.empty(0)], whole_heap.sglang_alloc(prompt), q, k, v)
+
+    state, heap = make_state(**make)
+    state.expect([1], [prompt + 8], [prompt])
+    ids, start = torch.empty(0, dtype=torch.int64), 0
+    for end in range(chunk, prompt + 1, chunk):
+        new_ids = heap.sglang_alloc(end - start)
+        part = slice(start, end)
+        out = prefill(state, [1], [start], [end - start], [ids], new_ids, q[part], k[part], v[part])
+        for layer in (0, 3):
+            expected = torch.stack([windowed(q[i], k, v, i) for i in range(start, end)])
+            torch.testing.assert_close(out[layer], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[2], whole[2][part], atol=1e-5, rtol=1e-5)
+        ids, start = torch.cat([ids, new_ids]), end
+        if end < prompt:
+            state.heap.reclaim(heap.free_rows() + 10**6)  # pressure: everything that can go
+            wide = min(end, SINK + WINDOW)  # one sparse column, two sliding ones (one lane)
+            assert state.store.rows() == end + 2 * wide <= state.store.chunked_rows(prompt, chunk)
+    g = next(i for i, group in enumerate(state.groups) if group.spec.sliding_window)
+    kept, kept_whole = state.groups[g].table.entries(1), whole_state.groups[g].table.entries(1)
+    assert kept.shape == (SINK + WINDOW, 2)  # the sinks, the last window: as the unchunked prompt
+    assert torch.equal(state.lanes[0].k[kept], whole_state.lanes[0].k[kept_whole])
+    assert state.reusable_prefix_len(ids, prompt + 5) == prompt  # the last window is wide
+    assert state.reusable_prefix_len(ids[:20], 30) == SINK  # 12..20 gave their sliding pages back
+    state.free(1)
+    heap.sglang_free(ids)
+    assert state.store.rows() == 0 and heap.free_rows() == 1024
+
+
+@pytest.mark.parametrize(
+    ("listed", "full"),
+    [((0,), (2,)), ((0, 1), (2, 5)), ((0, 2), (2, 5)), ((4, 5), (5,)), ((2,), (2,)), ((), ())],
+)
+def test_a_listed_full_layer_that_slides_stands_for_the_next_global_layer(listed, full):
+    """Six layers of which 2 and 5 read the whole context (Gemma 3's pattern): a listed sliding
+    layer stays sliding and the next global layer not full yet is full instead, if there is one."""
+    resolved = SparsityConfig(full_layers=listed, budget=64).resolve(6, 1000, (0, 1, 3, 4), 100)
+    assert tuple(i for i, kind in enumerate(resolved.kinds) if kind == "full") == full
+    assert all(resolved.kinds[layer] == "sliding" for layer in (0, 1, 3, 4))
