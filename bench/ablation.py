@@ -13,6 +13,10 @@ Writes `<out-dir>/<stem>.json` (every answer), `.md` (answered prompts per varia
 each variant's difference from the default) and `.png`.
 
     .venv/bin/python bench/ablation.py --tasks multikey,uuid   # seeds 3-5, 2-3k tokens, budgets 128 and 256: ~30 min
+    # Gemma 3 270M (a base model), the default against no full layer; a prompt's prefix reused across budgets
+    .venv/bin/python bench/ablation.py --model gemma-3-270m --completion --prefix-cache \
+        --budgets 64,128,256,512,1024 --variants "" --no-server-variants \
+        --server-variant 'no full layer (full_layers [])={"full_layers": []}' --stem ablation-gemma-<date>
 """
 
 from __future__ import annotations
@@ -76,6 +80,19 @@ def chosen_variants(labels: str | None, variants: dict[str, dict[str, Any]]) -> 
     return {label: variants[label] for label in chosen}
 
 
+def server_variant(spec: str) -> tuple[str, dict[str, Any]]:
+    """`--server-variant 'LABEL=JSON'`: a server variant of the default preset with this
+    `--kvsparse-config` object."""
+    label, sep, text = spec.partition("=")
+    try:
+        changes = json.loads(text) if sep and label.strip() else None
+    except json.JSONDecodeError:
+        changes = None
+    if not isinstance(changes, dict):
+        raise argparse.ArgumentTypeError(f"expected 'LABEL=JSON object', got {spec!r}")
+    return label.strip(), changes
+
+
 def server_config(changes: dict[str, Any]) -> str:
     """`changes` to the default preset, as `--kvsparse-config` JSON."""
     return json.dumps(changes)
@@ -90,7 +107,27 @@ def main() -> None:
         help=f"only these server variants, labels separated by ';' (of: {'; '.join(SERVER_VARIANTS)})",
     )
     parser.add_argument(
+        "--server-variant",
+        type=server_variant,
+        action="append",
+        default=[],
+        metavar="LABEL=JSON",
+        help="also a server of the default preset with this --kvsparse-config (repeatable)",
+    )
+    parser.add_argument(
         "--variants", help=f"only these policy variants, labels separated by ';' (of: {'; '.join(POLICY_VARIANTS)})"
+    )
+    parser.add_argument("--model", default="default", help="the model served (a name of `sglang_kvsparse.models`)")
+    parser.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="keep SGLang's radix cache: a prompt asked again at another budget reuses all but its last window "
+        "(exact: the prefix store); default: every prompt prefilled whole",
+    )
+    parser.add_argument(
+        "--completion",
+        action="store_true",
+        help="a base model: ask through the completions endpoint, the prompt's text and an answer cue",
     )
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--stem", default=f"ablation-{dt.date.today().isoformat()}")
@@ -104,13 +141,15 @@ def main() -> None:
         "--kv-cache-dtype", help="both servers' KV cache (fp8_e4m3, fp8_e5m2; default: the model's dtype)"
     )
     args = parser.parse_args()
-    settings = dataclasses.replace(SERVER_SETTINGS, kv_cache_dtype=args.kv_cache_dtype)
+    settings = dataclasses.replace(SERVER_SETTINGS, model=args.model, kv_cache_dtype=args.kv_cache_dtype)
     if args.render:
         render(ReportPaths(args.out_dir, args.stem), args.kvpress)
         return
     prompts, budgets = selection(args)
+    server_flags = () if args.prefix_cache else SERVER_FLAGS
     made = provenance(sys.argv)
     server_variants = {} if args.no_server_variants else chosen_variants(args.server_variants, SERVER_VARIANTS)
+    server_variants |= dict(args.server_variant)
     policy_variants = chosen_variants(args.variants, POLICY_VARIANTS)
     answers: dict[str, dict[str, Any]] = {p.prompt_id: {} for p in prompts}
     paths = ReportPaths(args.out_dir, args.stem)
@@ -122,7 +161,9 @@ def main() -> None:
             "machine": machine(),
             "provenance": made,
             "suite": {"name": FROZEN_SUITE.name, "sha256": FROZEN_SUITE.sha256},
-            "server_args": [*SERVER_FLAGS, *args_for_report(shared, model_dir)],
+            "model": args.model,
+            "asked": "completions, the prompt and an answer cue" if args.completion else "chat",
+            "server_args": [*server_flags, *args_for_report(shared, model_dir)],
             "budgets": budgets,
             "policy_variants": policy_variants,
             "server_variants": server_variants,
@@ -140,32 +181,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         model_dir, load_args = prepare_model(settings, Path(work))
         shared = shared_server_args(settings, model_dir, load_args)
-        off = ("--kvsparse-preset", "off", *SERVER_FLAGS)
+        off = ("--kvsparse-preset", "off", *server_flags)
         with server_for("full-cache", off, shared, settings, Path(work), print) as server:
             for number, prompt in enumerate(prompts, 1):
-                answers[prompt.prompt_id]["full"] = ask(server.base_url, prompt, None)
+                answers[prompt.prompt_id]["full"] = ask(server.base_url, prompt, None, args.completion)
                 print(
                     f"[full {number}/{len(prompts)}] {prompt.prompt_id} {answers[prompt.prompt_id]['full']['correct']}"
                 )
         save()
         asked = [p for p in prompts if answers[p.prompt_id]["full"]["correct"]]
         variants = {DEFAULT_LABEL: None, **policy_variants}
-        with server_for("project", SERVER_FLAGS, shared, settings, Path(work), print) as server:
+        with server_for("project", server_flags, shared, settings, Path(work), print) as server:
             for label, knobs in variants.items():
                 for prompt in asked:
                     for budget in budgets:
                         if prompt.target_tokens > budget:
-                            got = ask(server.base_url, prompt, policy_setting(budget, knobs))
+                            got = ask(server.base_url, prompt, policy_setting(budget, knobs), args.completion)
                             answers[prompt.prompt_id][f"{label}@{budget}"] = got
                 print(f"[{label}] done", flush=True)
                 save()
         for label, changes in server_variants.items():
-            flags = ("--kvsparse-config", server_config(changes), *SERVER_FLAGS)
+            flags = ("--kvsparse-config", server_config(changes), *server_flags)
             with server_for("project", flags, shared, settings, Path(work), print) as server:
                 for prompt in asked:
                     for budget in budgets:
                         if prompt.target_tokens > budget:
-                            got = ask(server.base_url, prompt, {"budget": budget})
+                            got = ask(server.base_url, prompt, {"budget": budget}, args.completion)
                             answers[prompt.prompt_id][f"{label}@{budget}"] = got
             print(f"[{label}] done", flush=True)
             save()
@@ -281,6 +322,7 @@ def markdown(data: dict[str, Any]) -> str:
     lines = [
         f"# Ablation of the default on the frozen suite ({data['date']})",
         provenance_line(data),
+        f"- Model `{data.get('model', 'default')}`, asked through {data.get('asked', 'chat')}.",
         f"- Suite `{data['suite']['name']}` (sha256 `{data['suite']['sha256'][:16]}`): {len(data['answers'])} prompts; "
         f"the full cache answers {full}. Cells: answered of those (longer than the budget).",
         f"- The default's policy: {data['default']}",
@@ -338,7 +380,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
     axis.set(ylabel="answered, of the full cache's", ylim=(0, 1.05))
     axis.legend()
     beside = ", kvpress beside (prompts both full caches answer)" if "kvpress" in data else ""
-    axis.set_title(f"The default with one knob at its neutral value (frozen suite){beside}", fontsize=10)
+    model = "" if data.get("model", "default") == "default" else f", {data['model']}"
+    axis.set_title(f"The default with one knob at its neutral value (frozen suite{model}){beside}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

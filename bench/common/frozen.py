@@ -20,20 +20,27 @@ SERVER_SETTINGS = ServerSettings("default", "auto", "float32", CPU_MAX_TOTAL_TOK
 SERVER_FLAGS = ("--disable-radix-cache",)
 
 
-def ask(base_url: str, prompt: RulerPrompt, setting: dict[str, Any] | None) -> dict[str, Any]:
-    """One greedy chat completion with this request setting (`custom_params.kvsparse`; None: the
-    server's): the output and whether it is right."""
-    body: dict[str, Any] = {
-        "model": "default",
-        "messages": [{"role": "user", "content": prompt.user_message}],
-        "temperature": 0,
-        "max_tokens": MAX_NEW_TOKENS,
-    }
+#: After a prompt's text, for a base model (`ask(..., completion=True)`): where its answer starts.
+ANSWER_CUE = "\nAnswer:"
+
+
+def ask(base_url: str, prompt: RulerPrompt, setting: dict[str, Any] | None, completion: bool = False) -> dict[str, Any]:
+    """One greedy completion with this request setting (`custom_params.kvsparse`; None: the
+    server's): the output and whether it is right. Through the chat endpoint, or (`completion`,
+    a base model without a chat template) the completions endpoint with the prompt's text and
+    `ANSWER_CUE`."""
+    body: dict[str, Any] = {"model": "default", "temperature": 0, "max_tokens": MAX_NEW_TOKENS}
+    if completion:
+        body["prompt"] = prompt.user_message + ANSWER_CUE
+    else:
+        body["messages"] = [{"role": "user", "content": prompt.user_message}]
     if setting is not None:
         body["custom_params"] = {"kvsparse": setting}
-    response = requests.post(f"{base_url}/v1/chat/completions", json=body, timeout=900)
+    endpoint = "completions" if completion else "chat/completions"
+    response = requests.post(f"{base_url}/v1/{endpoint}", json=body, timeout=900)
     response.raise_for_status()
-    output = response.json()["choices"][0]["message"]["content"] or ""
+    choice = response.json()["choices"][0]
+    output = (choice["text"] if completion else choice["message"]["content"]) or ""
     return {"output": output, "correct": prompt.correct(output)}
 
 

@@ -271,3 +271,27 @@ def test_a_resumed_run_asks_kept_systems_only_the_prompts_of_added_seeds(tmp_pat
     ):
         with pytest.raises(SystemExit, match="other settings"):
             fidelity.resumable(paths, {**grown, **changed})
+
+
+def test_an_ablation_server_variant_is_a_label_and_a_config_object() -> None:
+    ablation = _fidelity_module("ablation.py")
+    assert ablation.server_variant('no full layer (full_layers [])={"full_layers": []}') == (
+        "no full layer (full_layers [])",
+        {"full_layers": []},
+    )
+    for spec in ("x={", "x=[1]", "x", '={"a": 1}'):
+        with pytest.raises(argparse.ArgumentTypeError, match="LABEL=JSON object"):
+            ablation.server_variant(spec)
+
+
+def test_a_capacity_system_sent_fewer_requests_is_said_in_the_report() -> None:
+    capacity = _fidelity_module("capacity.py")
+    profile = capacity.PROFILES["gemma-16k"]
+    assert [s.requests for s in profile.all_systems()] == [4, 11, 23]
+    report = {
+        "workloads": [{"name": "16000", "parts": [{"count": 23}]}],
+        "systems": [{"runs": [{"workload": "16000", "sent": 4}]}, {"runs": [{"workload": "16000", "sent": 23}]}],
+    }
+    assert capacity.sent_fewer(report)
+    report["systems"] = report["systems"][1:]
+    assert not capacity.sent_fewer(report)
