@@ -189,10 +189,10 @@ def prefill(state, req_indices, prefix_lens, extend_lens, prefix_ids, new_ids, q
 def test_a_chunked_prompt_under_pressure_holds_what_its_sliding_layers_read_and_stays_exact():
     """A prompt prefilled in chunks while the heap wants every row it can get: the heap takes
     back its earlier chunks' sliding pages except the sinks and the last window (the store then
-    holds the sparse layer's column for every token and, within `chunked_rows`, what the sliding columns
-    read); every chunk's sliding layers still equal the model's windowed attention and its
-    sparse layer the unchunked prompt's; a later prompt reuses the whole prompt, or of a cut
-    inside the narrowed part only the sinks; every row comes back."""
+    holds the sparse layer's column for every token and, within `chunked_rows`, what the
+    sliding columns read); every chunk's sliding layers still equal the model's windowed
+    attention and its sparse layer the unchunked prompt's; a later prompt reuses the whole
+    prompt, or of a cut inside the narrowed part only the sinks; every row comes back."""
     make = dict(**LAYERS, context=256, rows=1024, budget=12, window=2, prefix_cache=True)
     prompt, chunk = 40, 8
     gen = torch.Generator().manual_seed(11)
