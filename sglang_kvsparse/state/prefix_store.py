@@ -96,8 +96,8 @@ class PrefixStore:
         many blocks as its rows hold, narrowed where it has sliding columns."""
         sliding = [bool(group.sliding_window) for group in layout.groups for _ in group.columns]
         window = max((group.sliding_window for group in layout.groups), default=0)
-        narrow_rows = (len(sliding) - sum(sliding)) * layout.page_size
-        blocks = heap_rows // max(narrow_rows if any(sliding) else len(sliding) * layout.page_size, layout.page_size)
+        narrow_rows = (len(sliding) - sum(sliding)) * layout.page_size  # every column without sliding ones
+        blocks = heap_rows // max(narrow_rows, layout.page_size)
         return cls(heap_rows + layout.page_size, len(sliding), layout.page_size, blocks, sliding, (sink, window))
 
     @property
