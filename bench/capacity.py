@@ -45,7 +45,13 @@ from common.systems import (
 )
 from serving_profiles import PROJECT_BUDGET_256, PROJECT_DEFAULT, PROJECT_GUIDED, PROJECT_OFF, Variant
 
-from kvsparse_testbed.server import ServerProcess, ServerStartError, peak_running_requests
+from kvsparse_testbed.server import (
+    ServerProcess,
+    ServerStartError,
+    mean_decoding_requests,
+    peak_running_requests,
+    retracted_requests,
+)
 from sglang_kvsparse.server.model_support import resolve_for_model
 from sglang_kvsparse.server.options import add_sparsity_arguments, sparsity_from_args
 from sglang_kvsparse.state.layout import HeapLayout, capacity_ratio, scores_per_row
@@ -256,14 +262,14 @@ PROFILES: dict[str, CapacityProfile] = {
         CapacityProfile(
             name="long-out",
             description="Long outputs, where decode-time eviction runs (default model): requests of 1,000 + "
-            "4,000 tokens into the KV bytes of a 16,384-token dense pool (3 stock requests), sent 5 to stock "
-            "and 14 to the default (budget 1,024: every sparse layer evicts about 3,000 of each request's "
-            "keys while it decodes).",
+            "4,000 tokens into the KV bytes of a 16,384-token dense pool (3 stock requests at their final "
+            "length), sent 4 to stock and 14 to the default (budget 1,024: every sparse layer evicts about "
+            "3,000 of each request's keys while it decodes).",
             server=_cpu_server(16384),
             workloads=(_one(1000, 4000, 14),),
             variants=(),
             client_timeout_s=5400.0,
-            systems=(System(STOCK, stock=True, requests=5), System("default", PROJECT_DEFAULT)),
+            systems=(System(STOCK, stock=True, requests=4), System("default", PROJECT_DEFAULT)),
         ),
         _gemma(4000, 16384, (6, 20, 20)),
         _gemma(16000, 32768, (4, 11, 23), dummy=True),
@@ -332,11 +338,17 @@ def run_workload(
     dense_bytes = mean_len / sum(p.count for p in parts)
     kv_bytes, source = poller.bytes_per_request(dense_bytes * bytes_per_token)
     layer_token_bytes = bytes_per_token / num_layers
+    log = server.log_since(bookmark)
     return {
         "workload": workload.name,
         "sent": sum(part.count for part in parts),
         "completed": sum(result["completed"] for result in results),
-        "peak_running": peak_running_requests(server.log_since(bookmark)),
+        "peak_running": peak_running_requests(log),
+        "mean_decoding": mean_decoding_requests(log),
+        "retracted": retracted_requests(log),
+        "duration_s": max(result["duration"] for result in results),
+        "output_tok_s": sum(result["total_output_tokens"] for result in results)
+        / max(result["duration"] for result in results),
         "kv_bytes_per_request": kv_bytes,
         "kv_bytes_per_request_per_layer": {
             kind: slots * layer_token_bytes for kind, slots in poller.layer_slots_per_request.items()
@@ -457,13 +469,23 @@ def markdown(report: dict[str, Any]) -> str:
         + (" (a system sent fewer: its done/sent)" if sent_fewer(report) else ""),
         "",
         "| system | workload | done/sent | peak running req | ratio to stock | equal-bytes bound | "
+        "mean running while decoding | retracted | output tok/s (x stock) | "
         "KV bytes/req | KV bytes/req per layer (by kind) | KV source |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+    stock_tok_s = {
+        run["workload"]: run["output_tok_s"]
+        for system in report["systems"]
+        if system["name"] == STOCK
+        for run in system["runs"]
+    }
     for system in report["systems"]:
         if system["error"]:
-            lines.append(f"| {system['name']} | failed: {system['error']} | | | | | | | |")
+            lines.append(f"| {system['name']} | failed: {system['error']} | | | | | | | | | | |")
         for run in system["runs"]:
+            mean = f"{run['mean_decoding']:.1f}" if run["mean_decoding"] is not None else "—"
+            base = stock_tok_s.get(run["workload"])
+            tok_s = f"{run['output_tok_s']:.1f}" + (f" ({run['output_tok_s'] / base:.2f}x)" if base else "")
             ratio = f"{run['ratio_to_stock']:.2f}" if run["ratio_to_stock"] is not None else "—"
             bound = f"{run['bound']:.2f}" if run["bound"] is not None else "—"
             per_layer = ", ".join(
@@ -472,7 +494,8 @@ def markdown(report: dict[str, Any]) -> str:
             peak = run["peak_running"] if run["peak_running"] is not None else "—"
             lines.append(
                 f"| {system['name']} | {run['workload']} | {run['completed']}/{run['sent']} | {peak} | {ratio} | "
-                f"{bound} | {run['kv_bytes_per_request']:,.0f} | {per_layer} | {run['kv_bytes_source']} |"
+                f"{bound} | {mean} | {run['retracted']} | {tok_s} | "
+                f"{run['kv_bytes_per_request']:,.0f} | {per_layer} | {run['kv_bytes_source']} |"
             )
     stocks = [s["name"] for s in report["systems"] if s["stock"]]
     if len(stocks) > 1:
@@ -496,6 +519,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "Peak running requests: the most requests holding KV at once in the server's scheduler log. "
+        "Mean running while decoding: the requests of each logged decode step, averaged (on long outputs "
+        "SGLang admits requests that later outgrow the pool and retracts them: the peak counts them, the "
+        "mean what ran). Output tok/s: the workload's output tokens over its client's duration. "
         "SGLang admits a request by its full length and keeps room for the running requests' future "
         "tokens, so both systems admit fewer than the memory alone would hold. Equal-bytes bound: "
         "what the heap layout holds per request stock holds at the workload's final length, scores "

@@ -28,6 +28,8 @@ MARKER_ENV = "KVSPARSE_BENCH_SERVER_LOG"
 
 _RUNNING_RE = re.compile(r"#running-req: (\d+)")
 _NEW_SEQ_RE = re.compile(r"#new-seq: (\d+)")
+_DECODE_RE = re.compile(r"Decode batch, #running-req: (\d+)")
+_RETRACTED_RE = re.compile(r"Retract requests\. #retracted_reqs: (\d+)")
 
 
 class ServerStartError(RuntimeError):
@@ -80,6 +82,23 @@ def peak_running_requests(log_text: str) -> int | None:
             count += int(new_seq.group(1))
         peak = count if peak is None else max(peak, count)
     return peak
+
+
+def mean_decoding_requests(log_text: str) -> float | None:
+    """Requests running per decode step, averaged over the decode lines (one per logged step;
+    every step with ``--decode-log-interval 1``), None without one.
+
+    Why beside the peak: on long outputs stock's requests grow while they decode, so SGLang admits
+    more than fit at their final length and retracts some later; the peak then counts requests
+    that did not stay, the mean what ran.
+    """
+    counts = [int(match.group(1)) for match in _DECODE_RE.finditer(log_text)]
+    return sum(counts) / len(counts) if counts else None
+
+
+def retracted_requests(log_text: str) -> int:
+    """Requests SGLang retracted because the KV pool was full (its warning lines)."""
+    return sum(int(match.group(1)) for match in _RETRACTED_RE.finditer(log_text))
 
 
 @dataclass

@@ -47,6 +47,23 @@ def test_peak_is_none_without_scheduler_lines() -> None:
     assert server.peak_running_requests("INFO: 127.0.0.1 - POST /generate 200\n") is None
 
 
+RETRACTING_LOG = LOG + """\
+[2026-11-29 09:28:36] Decode batch, #running-req: 4, #token: 804, token usage: 1.00, cpu graph: False, gen throughput (token/s): 0.20, #queue-req: 0
+[2026-11-29 09:28:37] KV cache pool is full. Retract requests. #retracted_reqs: 1, #new_tokens_gained: 250, #new_token_ratio: 0.7000 -> 0.9000
+[2026-11-29 09:28:37] Decode batch, #running-req: 3, #token: 700, token usage: 0.90, cpu graph: False, gen throughput (token/s): 0.20, #queue-req: 1
+"""
+
+
+def test_mean_decoding_requests_averages_the_decode_lines_only() -> None:
+    assert server.mean_decoding_requests(RETRACTING_LOG) == (2 + 4 + 3) / 3
+    assert server.mean_decoding_requests("INFO: 127.0.0.1 - POST /generate 200\n") is None
+
+
+def test_retracted_requests_sums_sglangs_warnings() -> None:
+    assert server.retracted_requests(RETRACTING_LOG) == 1
+    assert server.retracted_requests(LOG) == 0
+
+
 def _system(name: str, tok_s: float, ttft: float | None) -> dict:
     run = {key: None for key, _ in report.METRICS}
     run.update(concurrency=1, output_tok_s=tok_s, ttft_median_ms=ttft)
