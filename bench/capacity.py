@@ -271,6 +271,17 @@ PROFILES: dict[str, CapacityProfile] = {
             client_timeout_s=5400.0,
             systems=(System(STOCK, stock=True, requests=4), System("default", PROJECT_DEFAULT)),
         ),
+        CapacityProfile(
+            name="long-out-llama",
+            description="Long outputs at Llama-3.1-8B's KV shape (32 layers, 8 KV heads, head dim 128; dummy "
+            "weights, tiny hidden size): requests of 1,000 + 4,000 tokens into the KV bytes of a 16,384-token "
+            "dense pool (3 stock requests at their final length), sent 4 to stock and 14 to the default.",
+            server=_cpu_server(16384, model="llama-3.1-8b", shape="kv"),
+            workloads=(_one(1000, 4000, 14),),
+            variants=(),
+            client_timeout_s=5400.0,
+            systems=(System(STOCK, stock=True, requests=4), System("default", PROJECT_DEFAULT)),
+        ),
         _gemma(4000, 16384, (6, 20, 20)),
         _gemma(16000, 32768, (4, 11, 23), dummy=True),
         CapacityProfile(

@@ -47,11 +47,14 @@ def test_peak_is_none_without_scheduler_lines() -> None:
     assert server.peak_running_requests("INFO: 127.0.0.1 - POST /generate 200\n") is None
 
 
-RETRACTING_LOG = LOG + """\
+RETRACTING_LOG = (
+    LOG
+    + """\
 [2026-11-29 09:28:36] Decode batch, #running-req: 4, #token: 804, token usage: 1.00, cpu graph: False, gen throughput (token/s): 0.20, #queue-req: 0
 [2026-11-29 09:28:37] KV cache pool is full. Retract requests. #retracted_reqs: 1, #new_tokens_gained: 250, #new_token_ratio: 0.7000 -> 0.9000
 [2026-11-29 09:28:37] Decode batch, #running-req: 3, #token: 700, token usage: 0.90, cpu graph: False, gen throughput (token/s): 0.20, #queue-req: 1
 """
+)
 
 
 def test_mean_decoding_requests_averages_the_decode_lines_only() -> None:
@@ -129,6 +132,7 @@ def test_a_custom_fidelity_variant_is_the_default_recipe_with_its_config() -> No
 
 
 def _fidelity_module(script: str = "fidelity.py") -> ModuleType:
+    """A bench script that imports its siblings, loaded by path."""
     sys.path.insert(0, str(BENCH))  # the scripts import their siblings as `common.*`
     try:
         return _load(script)

@@ -124,6 +124,24 @@ def test_streamingllm_keeps_the_most_recent():
     assert kept[1, 0].tolist() == [0, 1, 2, 3, *range(60, 80)]
 
 
+def test_random_keeps_a_spread_choice_per_head_and_scores_a_decoded_key_as_a_prompt_key():
+    """Random eviction: beside the protected keys, each KV head keeps its own choice from the whole
+    middle (not the latest, as StreamingLLM), the same in every run; a key decoded at position p
+    starts with the score a prompt key at p gets."""
+    inputs = _inputs()
+    policy = POLICIES["random"]()
+    scores = policy.score(inputs)
+    kept, _ = select_kept(scores, inputs.kv_indptr, budget=24, sink=4, window=WINDOW)
+    middle = [sorted(set(kept[1, h].tolist()) - set(range(4)) - set(range(80 - WINDOW, 80))) for h in range(3)]
+    assert all(len(chosen) == 24 - 4 - WINDOW for chosen in middle)
+    assert middle[0] != middle[1] != middle[2]
+    assert min(min(chosen) for chosen in middle) < 20 and max(max(chosen) for chosen in middle) > 40
+    positions = torch.arange(KV_LENS[1])
+    k = torch.zeros(KV_LENS[1], 3, 64)
+    request = scores[int(inputs.kv_indptr[1]) : int(inputs.kv_indptr[2])]
+    assert torch.equal(policy.new_key_scores(k, positions), request)
+
+
 def test_keynorm_prefers_small_keys():
     inputs = _inputs()
     k_buf = inputs.k_buf.clone()

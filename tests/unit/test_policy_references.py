@@ -4,8 +4,8 @@ decoding, through the sparse layer's own forward on a heap (one sparse layer, on
 Prefill: the row keeps the sink, the window and the best of the rest by the policy's float64
 scores, and stores those scores; a prompt within the budget keeps every key, scored as a decoded
 key would be (so that later evictions compare it in the policy's units). Decode, step by step
-from what the row holds: the new key's score is the policy's (zero, its position or -||k||),
-every kept key's score is updated by this step's float64 attention as the policy says (added,
+from what the row holds: the new key's score is the policy's (zero, its position, -||k|| or its
+position's pseudo-random number), every kept key's score is updated by this step's float64 attention as the policy says (added,
 replaced or left), and an eviction keeps the sink, the window and the best-ranked rest (SnapKV's
 ranking is the stored score; span's spreads it forward over the row's entries). Checks are
 tie-proof: a kept entry never ranks below a dropped one.
@@ -92,6 +92,19 @@ def span(probs, keys, knobs):
     return torch.maximum(pooled, longer)
 
 
+def position_hash(position: int) -> torch.Tensor:
+    """`random`'s number of a position, per KV head, in Python integers: an integer hash
+    (xor-shift 16, multiply by 0x45D9F3B, twice, then xor-shift 16) of position x heads + head + 1,
+    over 2**32."""
+    numbers = []
+    for head in range(H_KV):
+        x = (position * H_KV + head + 1) % 2**32
+        for _ in range(2):
+            x = (((x >> 16) ^ x) * 0x45D9F3B) % 2**32
+        numbers.append(((x >> 16) ^ x) / 2**32)
+    return torch.tensor(numbers, dtype=torch.float64)
+
+
 HAND: dict[str, HandPolicy] = {
     "snapkv": HandPolicy(snapkv, "add"),
     "span": HandPolicy(span, "add"),
@@ -106,6 +119,11 @@ HAND: dict[str, HandPolicy] = {
         lambda probs, keys, knobs: -keys.double().norm(dim=-1),
         "none",
         new_key=lambda k, position: -k.double().norm(dim=-1),
+    ),
+    "random": HandPolicy(
+        lambda probs, keys, knobs: torch.stack([position_hash(p) for p in range(keys.shape[0])]),
+        "none",
+        new_key=lambda k, position: position_hash(position),
     ),
 }
 

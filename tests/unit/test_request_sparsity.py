@@ -71,7 +71,10 @@ def test_a_request_asks_for_its_own_budget_or_for_no_sparsity():
             {"policy": "h2o", "enabled": False},
             "custom_params.kvsparse: enabled: false keeps every token; give it without",
         ),
-        ({"policy": "lru"}, "custom_params.kvsparse.policy: unknown policy 'lru' (known: h2o, keynorm, snapkv, span,"),
+        (
+            {"policy": "lru"},
+            "custom_params.kvsparse.policy: unknown policy 'lru' (known: h2o, keynorm, random, snapkv,",
+        ),
         (
             {"policy": {"name": "span", "long_follow": -1}},
             "custom_params.kvsparse.policy.long_follow: expected an integer from 0 to 256",

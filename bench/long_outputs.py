@@ -1,0 +1,311 @@
+"""Long outputs: how close decode-time eviction stays to the full cache over thousands of tokens.
+
+Prompts: the frozen long-output suite (`kvsparse_testbed.long_outputs`: copy a passage, write out
+a line per record of a list, count, continue an essay; its name and hash in the report), each asked
+for exactly 1,024 or 4,096 new tokens (EOS ignored), greedy. One server with the default preset
+answers every system as a request's own setting (`custom_params`): the full cache
+(`{"enabled": false}`: every token in every layer, as stock SGLang), the default at each budget,
+and the baselines (random eviction, StreamingLLM, H2O, TOVA) at theirs. The full cache is asked
+first, alone, so that every other system's prefill reuses its prompt from the radix cache (exact:
+the prefix store), and once more among the others: how far two full-cache runs in different
+batches drift apart is the noise floor (float32 sums in another order).
+
+Per system, against the full cache's output of the same prompt: the first position where the
+tokens differ, the share of positions with the same token, the task score (copy: the passage's
+sentences written verbatim; records: records written with their name, city and score; count: the
+numbers counted right from 1), and loops (an output whose repeated 16-grams exceed the full
+cache's by 20% of it). kvpress's decoding-time compression is not run (not installed here).
+
+Writes `<out-dir>/<stem>.json` (every output), `.md` and `.png`.
+
+    .venv/bin/python bench/long_outputs.py --lengths 1024   # the 1k outputs, every system: about 40 min here
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import sys
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+import requests
+from common.checkout import ROOT, importable
+from common.frozen import SERVER_SETTINGS
+from common.report import ReportPaths, provenance, provenance_line, write_json
+from common.systems import args_for_report, machine, prepare_model, server_for, shared_server_args
+
+importable()
+
+from kvsparse_testbed.long_outputs import (  # noqa: E402
+    LONG_OUTPUT_SUITE,
+    LOOP_EXCESS,
+    LOOP_NGRAM,
+    TASKS,
+    LongOutputPrompt,
+    agreement,
+    first_divergence,
+    loop_excess,
+)
+
+FULL = "full"
+FULL_AGAIN = "full (again)"
+DEFAULT_LABEL = "default"
+#: Eviction baselines: a request's own policy at the same budget.
+BASELINES = ("random", "streamingllm", "h2o", "tova")
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """One way of answering: a label and a request's `custom_params.kvsparse` setting."""
+
+    label: str
+    setting: dict[str, Any]
+    budget: int | None = None
+    policy: str | None = None
+
+
+def systems_for(budgets: list[int], baselines: list[str], baseline_budgets: list[int]) -> list[System]:
+    """The full cache twice, the default at `budgets`, each baseline at `baseline_budgets`."""
+    chosen = [System(FULL, {"enabled": False}), System(FULL_AGAIN, {"enabled": False})]
+    chosen += [System(f"{DEFAULT_LABEL}@{b}", {"budget": b}, b, DEFAULT_LABEL) for b in budgets]
+    chosen += [System(f"{p}@{b}", {"policy": p, "budget": b}, b, p) for p in baselines for b in baseline_budgets]
+    return chosen
+
+
+def generate(base_url: str, input_ids: list[int], output_len: int, setting: dict[str, Any]) -> dict[str, Any]:
+    """One greedy answer of exactly `output_len` tokens with this request setting."""
+    sampling = {
+        "max_new_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "custom_params": {"kvsparse": setting},
+    }
+    response = requests.post(
+        f"{base_url}/generate", json={"input_ids": input_ids, "sampling_params": sampling}, timeout=7200
+    )
+    response.raise_for_status()
+    body = response.json()
+    return {"output_ids": [int(t) for t in body["output_ids"]], "text": body["text"]}
+
+
+def measured(prompt: LongOutputPrompt, got: dict[str, Any], full: dict[str, Any]) -> dict[str, Any]:
+    """One answer's metrics against the full cache's answer of the same prompt."""
+    return {
+        **got,
+        "first_divergence": first_divergence(got["output_ids"], full["output_ids"]),
+        "agreement": agreement(got["output_ids"], full["output_ids"]),
+        "score": prompt.score(got["text"]),
+        "loop_excess": loop_excess(got["output_ids"], full["output_ids"]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="1024", help=f"output lengths, of {LONG_OUTPUT_SUITE.output_lens}")
+    parser.add_argument("--tasks", default=",".join(TASKS))
+    parser.add_argument("--budgets", default="128,256,512,1024", help="the default's budgets")
+    parser.add_argument("--baselines", default=",".join(BASELINES))
+    parser.add_argument("--baseline-budgets", default="256", help="the baselines' budgets")
+    parser.add_argument("--concurrency", type=int, default=32, help="requests in flight at once")
+    parser.add_argument("--max-total-tokens", type=int, default=98_304)
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--stem", default=f"long-outputs-{dt.date.today().isoformat()}")
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    tasks = args.tasks.split(",")
+    prompts = [p for p in LONG_OUTPUT_SUITE.prompts(lengths) if p.task in tasks]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    baselines = [p for p in args.baselines.split(",") if p]
+    systems = systems_for(budgets, baselines, [int(b) for b in args.baseline_budgets.split(",")])
+    settings = dataclasses.replace(SERVER_SETTINGS, max_total_tokens=args.max_total_tokens)
+    longest = max(lengths) + 4_096  # a prompt of the suite and its output fit the model's 8,192
+    flags = (
+        "--kvsparse-max-request-budget",
+        str(min(longest, 8_192)),
+        "--kvsparse-request-policies",
+        ",".join(baselines) or "none",
+        "--kvsparse-config",
+        f'{{"max_distinct_settings": {len(systems)}}}',
+    )
+    paths = ReportPaths(args.out_dir, args.stem)
+    made = provenance(sys.argv)
+    answers: dict[str, dict[str, Any]] = {p.prompt_id: {} for p in prompts}
+    lock = threading.Lock()  # the threads asking add answers while `save` writes them
+
+    def save() -> None:
+        with lock:
+            asked = {prompt_id: dict(got) for prompt_id, got in answers.items()}
+        data = {
+            "benchmark": "long-outputs",
+            "date": dt.date.today().isoformat(),
+            "machine": machine(),
+            "provenance": made,
+            "suite": {"name": LONG_OUTPUT_SUITE.name, "sha256": LONG_OUTPUT_SUITE.sha256},
+            "server_args": [*flags, *args_for_report(shared, model_dir)],
+            "systems": [dataclasses.asdict(s) for s in systems],
+            "prompts": {
+                p.prompt_id: {"task": p.task, "output_len": p.output_len, "prompt_len": len(ids[p.prompt_id])}
+                for p in prompts
+            },
+            "answers": asked,
+        }
+        write_json(paths, data)
+        paths.markdown.write_text(markdown(data))
+        plot(data, paths.png)
+
+    with tempfile.TemporaryDirectory() as work:
+        model_dir, load_args = prepare_model(settings, Path(work))
+        shared = shared_server_args(settings, model_dir, load_args)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        ids = {
+            p.prompt_id: list(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p.user_message}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=True,
+                )["input_ids"]
+            )
+            for p in prompts
+        }
+        with server_for("project", flags, shared, settings, Path(work), print) as server:
+
+            def ask(item: tuple[LongOutputPrompt, System]) -> None:
+                prompt, system = item
+                got = generate(server.base_url, ids[prompt.prompt_id], prompt.output_len, system.setting)
+                row = measured(prompt, got, answers[prompt.prompt_id].get(FULL, got))
+                with lock:
+                    answers[prompt.prompt_id][system.label] = row
+                print(
+                    f"[{system.label}] {prompt.prompt_id}: first divergence {row['first_divergence']}, "
+                    f"agreement {row['agreement']:.2f}, score {row['score']}, loop excess {row['loop_excess']:.2f}",
+                    flush=True,
+                )
+
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                list(pool.map(ask, [(p, systems[0]) for p in prompts]))
+                save()
+                rest = [(p, s) for s in systems[1:] for p in prompts]
+                for done, _ in enumerate(pool.map(ask, rest), 1):
+                    if done % len(prompts) == 0:
+                        save()
+    save()
+
+
+def summary(data: dict[str, Any], system: str, output_len: int, task: str | None = None) -> dict[str, Any] | None:
+    """A system's metrics over the prompts of one output length (and task) it answered."""
+    rows = [
+        answers[system]
+        for prompt_id, answers in data["answers"].items()
+        if system in answers
+        and data["prompts"][prompt_id]["output_len"] == output_len
+        and (task is None or data["prompts"][prompt_id]["task"] == task)
+    ]
+    if not rows:
+        return None
+    scores = [row["score"] for row in rows if row["score"] is not None]
+    return {
+        "prompts": len(rows),
+        "first_divergence": mean(row["first_divergence"] for row in rows),
+        "agreement": mean(row["agreement"] for row in rows),
+        "score": mean(scores) if scores else None,
+        "loops": sum(row["loop_excess"] >= LOOP_EXCESS for row in rows),
+    }
+
+
+def _cell(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(data: dict[str, Any]) -> str:
+    lengths = sorted({p["output_len"] for p in data["prompts"].values()})
+    tasks = [t for t in TASKS if any(p["task"] == t for p in data["prompts"].values())]
+    lines = [
+        f"# Long outputs — {data['date']}",
+        provenance_line(data),
+        "",
+        f"- Suite: `{data['suite']['name']}` (sha256 `{data['suite']['sha256'][:12]}…`), tasks {', '.join(tasks)}; "
+        "greedy, EOS ignored, every answer exactly its output length",
+        f"- Machine: {data['machine']}",
+        f"- Server: `python -m sglang_kvsparse.launch_server {' '.join(data['server_args'])}` (the default preset; "
+        "every system a request's own setting)",
+        "",
+        "Against the full cache's output of the same prompt: **first divergence** (mean position of the first "
+        "different token), **agreement** (share of positions with the same token), **score** (the task's, mean "
+        f"over the checkable tasks), **loops** (outputs whose repeated {LOOP_NGRAM}-grams exceed the full cache's "
+        f"by {LOOP_EXCESS:.0%} of the output). `{FULL_AGAIN}` is the full cache asked again in another batch: "
+        "the noise floor.",
+    ]
+    for output_len in lengths:
+        lines += [
+            "",
+            f"## {output_len:,} output tokens",
+            "",
+            "| system | prompts | first divergence | agreement | score | loops | "
+            + " | ".join(f"{t} score" for t in tasks if t != "continue")
+            + " |",
+            "|---|---:|---:|---:|---:|---:|" + "---:|" * len([t for t in tasks if t != "continue"]),
+        ]
+        for system in data["systems"]:
+            row = summary(data, system["label"], output_len)
+            if row is None:
+                continue
+            per_task = [summary(data, system["label"], output_len, t) for t in tasks if t != "continue"]
+            lines.append(
+                f"| {system['label']} | {row['prompts']} | {row['first_divergence']:.0f} | {row['agreement']:.2f} | "
+                f"{_cell(row['score'])} | {row['loops']} | "
+                + " | ".join(_cell(t["score"] if t else None) for t in per_task)
+                + " |"
+            )
+    lines += ["", "kvpress's decoding-time compression: not run (kvpress is not installed with this project)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    """Per output length: agreement and first divergence against the budget, a line per policy,
+    the full cache's second run (the noise floor) drawn across."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({p["output_len"] for p in data["prompts"].values()})
+    policies = list(dict.fromkeys(s["policy"] for s in data["systems"] if s["policy"]))
+    fig, axes = plt.subplots(len(lengths), 2, figsize=(11, 4 * len(lengths)), squeeze=False)
+    for row, output_len in enumerate(lengths):
+        floor = summary(data, FULL_AGAIN, output_len)
+        for column, (key, label) in enumerate(
+            (("agreement", "token agreement"), ("first_divergence", "first divergence"))
+        ):
+            axis = axes[row][column]
+            for policy in policies:
+                points = [
+                    (s["budget"], summary(data, s["label"], output_len))
+                    for s in data["systems"]
+                    if s["policy"] == policy
+                ]
+                points = [(budget, got[key]) for budget, got in points if got is not None]
+                if points:
+                    axis.plot(*zip(*points), marker="o", label=policy)
+            if floor is not None:
+                axis.axhline(floor[key], color="gray", linestyle="--", label=FULL_AGAIN)
+            axis.set_xscale("log", base=2)
+            axis.set(xlabel="budget (entries per sparse layer)", ylabel=label, title=f"{output_len:,} output tokens")
+            axis.grid(True, alpha=0.3)
+            axis.legend(fontsize=8)
+    fig.suptitle(f"Long outputs against the full cache — {data['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
