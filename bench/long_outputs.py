@@ -1,9 +1,9 @@
 """Long outputs: how close decode-time eviction stays to the full cache over thousands of tokens.
 
 Prompts: the frozen long-output suite (`kvsparse_testbed.long_outputs`: copy a passage, write out
-a line per record of a list, count, continue an essay; its name and hash in the report), each asked
-for exactly 1,024 or 4,096 new tokens (EOS ignored), greedy. One server with the default preset
-answers every system as a request's own setting (`custom_params`): the full cache
+a sentence per record of a list, count, continue an essay; plain text continued, its name and hash
+in the report), each asked for exactly 1,024 or 4,096 new tokens (EOS ignored), greedy. One server
+with the default preset answers every system as a request's own setting (`custom_params`): the full cache
 (`{"enabled": false}`: every token in every layer, as stock SGLang), the default at each budget,
 and the baselines (random eviction, StreamingLLM, H2O, TOVA) at theirs. The full cache is asked
 first, alone, so that every other system's prefill reuses its prompt from the radix cache (exact:
@@ -120,9 +120,9 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     tasks = args.tasks.split(",")
     prompts = [p for p in LONG_OUTPUT_SUITE.prompts(lengths) if p.task in tasks]
-    budgets = [int(b) for b in args.budgets.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",") if b]
     baselines = [p for p in args.baselines.split(",") if p]
-    systems = systems_for(budgets, baselines, [int(b) for b in args.baseline_budgets.split(",")])
+    systems = systems_for(budgets, baselines, [int(b) for b in args.baseline_budgets.split(",") if b])
     settings = dataclasses.replace(SERVER_SETTINGS, max_total_tokens=args.max_total_tokens)
     longest = max(lengths) + 4_096  # a prompt of the suite and its output fit the model's 8,192
     flags = (
@@ -165,17 +165,7 @@ def main() -> None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        ids = {
-            p.prompt_id: list(
-                tokenizer.apply_chat_template(
-                    [{"role": "user", "content": p.user_message}],
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=True,
-                )["input_ids"]
-            )
-            for p in prompts
-        }
+        ids = {p.prompt_id: list(tokenizer(p.text)["input_ids"]) for p in prompts}
         with server_for("project", flags, shared, settings, Path(work), print) as server:
 
             def ask(item: tuple[LongOutputPrompt, System]) -> None:

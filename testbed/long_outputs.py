@@ -2,8 +2,11 @@
 
 Why: every accuracy figure before it was retrieval from a long prompt with a short answer, where
 decode-time eviction hardly runs. Here the output is long (1,024 or 4,096 tokens, EOS ignored) and
-faithfulness is checked against the prompt while the cache evicts: copying a passage, writing out
-a record for each line of a list given in the prompt, counting, and continuing an essay. Four tasks,
+faithfulness is checked against the prompt while the cache evicts: copying a passage given in the
+prompt, writing out a sentence for each record of a list given in it, counting, and continuing an
+essay. Each prompt is plain text that starts the pattern (the passage's first sentences written
+again, the first records written out, the first numbers): asked as instructions through the chat
+template, the default model copied nothing and counted to 30 even with the full cache. Four tasks,
 new seeds (no knob was chosen on them), frozen by the hash of every prompt (`LONG_OUTPUT_SUITE`).
 
 Metrics against the full cache's greedy output of the same prompt, and a task score where one is
@@ -29,8 +32,6 @@ _COPY_CHARS_PER_TOKEN = 3.6
 _CONTINUE_CHARS = 4_200
 #: Output tokens one written-out record takes ("12. Name Surname lives in City and has 482 points.").
 _TOKENS_PER_RECORD = 19
-#: Output tokens one counted number takes (its digits and a newline).
-_TOKENS_PER_NUMBER = 4
 
 _FIRST = (
     "Alice",
@@ -106,14 +107,19 @@ _CITIES = (
 
 @dataclass(frozen=True)
 class LongOutputPrompt:
-    """One user message asking for about `output_len` tokens, and what its task score checks."""
+    """A text to continue for `output_len` tokens, and what its task score checks."""
 
     prompt_id: str
     task: str
     output_len: int
-    user_message: str
-    #: copy: the passage's sentences; records: "name|city|points" per record; count: the last
-    #: number; continue: nothing (no checkable answer).
+    #: Plain text the model continues (no chat template: a small model follows a started pattern
+    #: far longer than an instruction).
+    text: str
+    #: copy: the passage's sentences still to write; records: "name|city|points" of the records
+    #: still to write; count: the first number to write;
+    #: continue: nothing. Scores: copy, the sentences written verbatim; records, the city and
+    #: points right on the first line naming each record; count, the output's lines that hold
+    #: the number one above the line before (a slip costs one line, not the rest).
     reference: tuple[str, ...]
 
     def score(self, output: str) -> float | None:
@@ -123,20 +129,18 @@ class LongOutputPrompt:
             return sum(sentence in text for sentence in self.reference) / len(self.reference)
         if self.task == "records":
             lines = output.splitlines()
-            found = 0
+            right = 0.0
             for record in self.reference:
-                fields = record.split("|")
-                found += any(all(f in line for f in fields) for line in lines)
-            return found / len(self.reference)
+                name, *fields = record.split("|")
+                line = next((line for line in lines if name in line), "")
+                right += sum(bool(re.search(rf"\b{re.escape(f)}\b", line)) for f in fields) / len(fields)
+            return right / len(self.reference)
         if self.task == "count":
-            last = int(self.reference[0])
-            counted = 0
-            for line in output.splitlines():
-                number = re.match(r"\s*(\d+)", line)
-                if number is None or int(number.group(1)) != counted + 1:
-                    break
-                counted += 1
-            return min(counted, last) / last
+            lines = [line.strip() for line in output.splitlines() if line.strip()]
+            if not lines:
+                return 0.0
+            before = [int(self.reference[0]) - 1, *(int(n) if n.isdigit() else None for n in lines)]
+            return sum(b is not None and b + 1 == int(n) for b, n in zip(before, lines) if n.isdigit()) / len(lines)
         return None
 
 
@@ -144,9 +148,9 @@ def _squash(text: str) -> str:
     return " ".join(text.split())
 
 
-def _sentences(text: str) -> tuple[str, ...]:
+def _sentences(text: str) -> list[str]:
     """The passage's sentences of at least 20 characters, whitespace squashed."""
-    return tuple(s for s in (_squash(p) for p in re.split(r"(?<=[.!?])\s+", text)) if len(s) >= 20)
+    return [s for s in (_squash(p) for p in re.split(r"(?<=[.!?])\s+", text)) if len(s) >= 20]
 
 
 def _passage(essays: str, chars: int, rng: random.Random) -> str:
@@ -157,39 +161,50 @@ def _passage(essays: str, chars: int, rng: random.Random) -> str:
     return cut[: max(cut.rfind(". "), cut.rfind(".\n")) + 1].strip()
 
 
+#: Sentences or records of a copy or records prompt written out in the prompt, to start the pattern.
+_SHOWN = 2
+#: Numbers a count prompt writes out.
+_COUNT_SHOWN = 10
+
+
 def _copy(essays: str, output_len: int, rng: random.Random) -> tuple[str, tuple[str, ...]]:
+    """A passage, then the same passage again from its start: the model copies it from the prompt."""
     passage = _passage(essays, int(output_len * _COPY_CHARS_PER_TOKEN), rng)
-    message = f"Copy the following text exactly, word for word, from its first word to its last.\n\n{passage}"
-    return message, _sentences(passage)
+    sentences = _sentences(passage)
+    text = f"{passage}\n\nThe same text once more, word for word:\n\n" + " ".join(sentences[:_SHOWN])
+    return text, tuple(sentences[_SHOWN:])
 
 
 def _records(output_len: int, rng: random.Random) -> tuple[str, tuple[str, ...]]:
+    """A list of records, then the same records as sentences, the first ones written out."""
     count = output_len // _TOKENS_PER_RECORD
-    lines, reference, names = [], [], set()
-    while len(lines) < count:
+    records: list[tuple[str, str, str]] = []
+    names: set[str] = set()
+    while len(records) < count:
         name = f"{rng.choice(_FIRST)} {rng.choice(_LAST)}"
-        if name in names:
-            continue
-        names.add(name)
-        city, points = rng.choice(_CITIES), str(rng.randint(100, 999))
-        lines.append(f"{len(lines) + 1}. {name} - {city} - {points}")
-        reference.append(f"{name}|{city}|{points}")
-    message = (
-        f"Here are {count} people, each with a city and a score:\n\n" + "\n".join(lines) + "\n\nFor every person, in "
-        'the order given, write one line: "<number>. <name> lives in <city> and has <score> points." '
-        f"Write all {count} lines."
+        if name not in names:
+            names.add(name)
+            records.append((name, rng.choice(_CITIES), str(rng.randint(100, 999))))
+    listed = "\n".join(f"{i}. {name} - {city} - {points}" for i, (name, city, points) in enumerate(records, 1))
+    written = "\n".join(
+        f"{i}. {name} lives in {city} and has {points} points."
+        for i, (name, city, points) in enumerate(records[:_SHOWN], 1)
     )
-    return message, tuple(reference)
+    text = f"People, their cities and their scores:\n\n{listed}\n\nThe same people, one sentence each:\n\n{written}\n"
+    return text, tuple("|".join(record) for record in records[_SHOWN:])
 
 
-def _count(output_len: int) -> tuple[str, tuple[str, ...]]:
-    last = output_len // _TOKENS_PER_NUMBER
-    return f"Count from 1 to {last}, writing each number on its own line and nothing else.", (str(last),)
+def _count(rng: random.Random) -> tuple[str, tuple[str, ...]]:
+    """The first numbers from a seeded start, one a line: the model counts on."""
+    start = rng.randint(100, 900)
+    shown = range(start, start + _COUNT_SHOWN)
+    text = "Counting, one number a line:\n" + "".join(f"{n}\n" for n in shown)
+    return text, (str(shown.stop),)
 
 
 def _continue(essays: str, rng: random.Random) -> tuple[str, tuple[str, ...]]:
-    passage = _passage(essays, _CONTINUE_CHARS, rng)
-    return f"Continue the following essay in the same style, for as long as you can.\n\n{passage}", ()
+    """An essay's passage: the model writes on."""
+    return _passage(essays, _CONTINUE_CHARS, rng) + "\n\n", ()
 
 
 def long_output_prompts(
@@ -203,24 +218,22 @@ def long_output_prompts(
             for seed in seeds:
                 rng = random.Random(f"{seed}-{task}-{output_len}")
                 if task == "copy":
-                    message, reference = _copy(essays, output_len, rng)
+                    text, reference = _copy(essays, output_len, rng)
                 elif task == "records":
-                    message, reference = _records(output_len, rng)
+                    text, reference = _records(output_len, rng)
                 elif task == "count":
-                    message, reference = _count(output_len)
+                    text, reference = _count(rng)
                 elif task == "continue":
-                    message, reference = _continue(essays, rng)
+                    text, reference = _continue(essays, rng)
                 else:
                     raise ValueError(f"unknown task {task!r} (tasks: {', '.join(TASKS)})")
-                prompts.append(
-                    LongOutputPrompt(f"long-s{seed}-{task}-{output_len}", task, output_len, message, reference)
-                )
+                prompts.append(LongOutputPrompt(f"long-s{seed}-{task}-{output_len}", task, output_len, text, reference))
     return prompts
 
 
 def prompts_hash(prompts: Sequence[LongOutputPrompt]) -> str:
-    """sha256 of the prompts' ids, messages and references, in order."""
-    canonical = [[p.prompt_id, p.user_message, list(p.reference)] for p in prompts]
+    """sha256 of the prompts' ids, texts and references, in order."""
+    canonical = [[p.prompt_id, p.text, list(p.reference)] for p in prompts]
     return hashlib.sha256(json.dumps(canonical, ensure_ascii=False).encode()).hexdigest()
 
 
@@ -249,7 +262,7 @@ LONG_OUTPUT_SUITE = LongOutputSuite(
     name="long-2026-12-06",
     seeds=(21, 22, 23),
     output_lens=(1024, 4096),
-    sha256="47617e041d80fb544a288a4b570761adb952d27631b9816985c90f5eaecf007d",
+    sha256="9316f17630c8ab3a898acdfaf906ff84b3eea56aced8ff01da8b80a647659d9d",
 )
 
 

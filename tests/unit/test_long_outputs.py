@@ -32,40 +32,50 @@ def test_the_suite_is_frozen_uses_new_seeds_and_fits_the_default_models_context(
     assert len(prompts) == len(TASKS) * 3 * 2
     assert not set(LONG_OUTPUT_SUITE.seeds) & {0, 1, 2, 3, 4, 5}  # the knobs' and the frozen suite's
     assert {p.output_len for p in prompts} == {1024, 4096}
+    assert len({p.text for p in prompts}) == len(prompts)
     # Characters, about four a token: a prompt and its output fit SmolLM2's 8,192 positions.
-    assert all(len(p.user_message) / 4 + p.output_len < 8_192 for p in prompts)
+    assert all(len(p.text) / 4 + p.output_len < 8_192 for p in prompts)
     changed = dataclasses.replace(LONG_OUTPUT_SUITE, seeds=(21, 22, 24))
     with pytest.raises(ValueError, match="not the frozen"):
         changed.prompts()
 
 
-def test_copy_scores_the_passages_sentences_written_verbatim():
+def test_copy_starts_the_passage_again_and_scores_the_rest_written_verbatim():
     prompt = _prompt("copy")
-    passage = prompt.user_message.split("\n\n", 1)[1]
-    assert prompt.score(passage) == 1.0
+    passage, again = prompt.text.split("\n\nThe same text once more, word for word:\n\n")
+    assert " ".join(passage.split()).startswith(again)
+    rest = " ".join(passage.split())[len(again) :]
+    assert prompt.score(rest) == 1.0
     half = len(prompt.reference) // 2
     assert prompt.score(" ".join(prompt.reference[:half])) == half / len(prompt.reference)
-    assert prompt.score("") == 0.0
+    assert prompt.score(again) == 0.0
 
 
-def test_records_score_a_record_only_with_its_name_city_and_score_on_one_line():
+def test_records_score_the_city_and_points_on_the_first_line_naming_a_record():
     prompt = _prompt("records")
+    assert prompt.text.endswith(" points.\n")  # the first records written out start the pattern
     lines = []
-    for number, record in enumerate(prompt.reference, 1):
+    for number, record in enumerate(prompt.reference, 3):
         name, city, points = record.split("|")
         lines.append(f"{number}. {name} lives in {city} and has {points} points.")
+        assert f"{name} - {city} - {points}" in prompt.text
     assert prompt.score("\n".join(lines)) == 1.0
     name, city, points = prompt.reference[0].split("|")
-    assert prompt.score(f"1. {name} lives in {city} and has 1{points} points.") == 1 / len(prompt.reference)
-    assert prompt.score(f"1. {name} lives in {city}.\n{points}") == 0.0
+    one = 1 / len(prompt.reference)
+    assert prompt.score(f"3. {name} lives in {city} and has 1{points} points.") == one / 2
+    assert prompt.score(f"3. {name} lives in {city}.\n{name} has {points}") == one / 2  # the first line naming it
+    assert prompt.score(f"3. {city} {points}") == 0.0
 
 
-def test_count_scores_the_numbers_counted_right_from_one():
+def test_count_scores_each_number_one_above_the_one_before():
     prompt = _prompt("count")
-    last = int(prompt.reference[0])
-    assert prompt.score("\n".join(str(n) for n in range(1, last + 50))) == 1.0
-    assert prompt.score("1\n2\n3\n5\n6") == 3 / last
-    assert prompt.score("Sure!\n1\n2") == 0.0
+    first = int(prompt.reference[0])
+    assert prompt.text.endswith(f"\n{first - 1}\n")
+    assert prompt.score("".join(f"{n}\n" for n in range(first, first + 300))) == 1.0
+    # A slip costs its own line only: first, first + 1, first + 3 (wrong), first + 4.
+    assert prompt.score(f"{first}\n{first + 1}\n{first + 3}\n{first + 4}\n") == 3 / 4
+    assert prompt.score(f"Sure!\n{first}\n{first + 1}") == 1 / 3
+    assert prompt.score("") == 0.0
 
 
 def test_continue_has_no_task_score():

@@ -5,10 +5,10 @@ Prefill: the row keeps the sink, the window and the best of the rest by the poli
 scores, and stores those scores; a prompt within the budget keeps every key, scored as a decoded
 key would be (so that later evictions compare it in the policy's units). Decode, step by step
 from what the row holds: the new key's score is the policy's (zero, its position, -||k|| or its
-position's pseudo-random number), every kept key's score is updated by this step's float64 attention as the policy says (added,
-replaced or left), and an eviction keeps the sink, the window and the best-ranked rest (SnapKV's
-ranking is the stored score; span's spreads it forward over the row's entries). Checks are
-tie-proof: a kept entry never ranks below a dropped one.
+position's pseudo-random number), every kept key's score is updated by this step's float64
+attention as the policy says (added, replaced or left), and an eviction keeps the sink, the
+window and the best-ranked rest (SnapKV's ranking is the stored score; span's spreads it forward
+over the row's entries). Checks are tie-proof: a kept entry never ranks below a dropped one.
 """
 
 from __future__ import annotations
