@@ -117,10 +117,17 @@ def main() -> None:
     parser.add_argument(
         "--resume", action="store_true", help="keep the answers of --stem's report and ask only the missing ones"
     )
+    parser.add_argument("--render", action="store_true", help="rewrite --stem's markdown and plot, asking nothing")
     parser.add_argument("--max-total-tokens", type=int, default=98_304)
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--stem", default=f"long-outputs-{dt.date.today().isoformat()}")
     args = parser.parse_args()
+    paths = ReportPaths(args.out_dir, args.stem)
+    if args.render:
+        data = json.loads(paths.json.read_text())
+        paths.markdown.write_text(markdown(data))
+        plot(data, paths.png)
+        return
     lengths = [int(n) for n in args.lengths.split(",")]
     tasks = args.tasks.split(",")
     prompts = [p for p in LONG_OUTPUT_SUITE.prompts(lengths) if p.task in tasks]
@@ -135,7 +142,6 @@ def main() -> None:
         "--kvsparse-request-policies",
         ",".join(baselines) or "none",
     )
-    paths = ReportPaths(args.out_dir, args.stem)
     made = provenance(sys.argv)
     answers: dict[str, dict[str, Any]] = {p.prompt_id: {} for p in prompts}
     if args.resume:
@@ -216,6 +222,12 @@ def summary(data: dict[str, Any], system: str, output_len: int, task: str | None
     }
 
 
+def _span(data: dict[str, Any], output_len: int, task: str) -> str:
+    """The shortest and longest prompt of a task and output length, in tokens."""
+    lens = [p["prompt_len"] for p in data["prompts"].values() if p["output_len"] == output_len and p["task"] == task]
+    return f"{min(lens):,}-{max(lens):,}" if min(lens) != max(lens) else f"{min(lens):,}"
+
+
 def _cell(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
@@ -260,6 +272,21 @@ def markdown(data: dict[str, Any]) -> str:
                 + " | ".join(_cell(t["score"] if t else None) for t in per_task)
                 + " |"
             )
+        spans = {t: _span(data, output_len, t) for t in tasks}
+        lines += [
+            "",
+            "First divergence by task (prompt tokens: "
+            + ", ".join(f"{t} {spans[t]}" for t in tasks)
+            + "; a prompt shorter than the budget is kept whole, so there only decode-time eviction acts):",
+            "",
+            "| system | " + " | ".join(tasks) + " |",
+            "|---|" + "---:|" * len(tasks),
+        ]
+        for system in data["systems"]:
+            per_task = [summary(data, system["label"], output_len, t) for t in tasks]
+            if any(per_task):
+                cells = ["—" if t is None else f"{t['first_divergence']:.0f}" for t in per_task]
+                lines.append(f"| {system['label']} | " + " | ".join(cells) + " |")
     lines += ["", "kvpress's decoding-time compression: not run (kvpress is not installed with this project)."]
     return "\n".join(lines) + "\n"
 

@@ -128,7 +128,10 @@ def test_the_report_summarizes_each_system_per_length_and_task_and_plots(tmp_pat
         "suite": {"name": LONG_OUTPUT_SUITE.name, "sha256": LONG_OUTPUT_SUITE.sha256},
         "server_args": [],
         "systems": [dataclasses.asdict(s) for s in systems],
-        "prompts": {"a": {"task": "copy", "output_len": 1024}, "b": {"task": "continue", "output_len": 1024}},
+        "prompts": {
+            "a": {"task": "copy", "output_len": 1024, "prompt_len": 900},
+            "b": {"task": "continue", "output_len": 1024, "prompt_len": 1000},
+        },
         "answers": {
             "a": {"full": _answer(1024, 1.0, 0.5, 0.0), "default@128": _answer(100, 0.5, 0.25, 0.3)},
             "b": {"full": _answer(1024, 1.0, None, 0.0), "default@128": _answer(300, 0.7, None, 0.0)},
@@ -139,5 +142,6 @@ def test_the_report_summarizes_each_system_per_length_and_task_and_plots(tmp_pat
     assert long_outputs.summary(data, "random@256", 1024) is None
     text = long_outputs.markdown(data)
     assert "| default@128 | 2 | 200 | 0.60 | 0.25 | 1 | 0.25 |" in text
+    assert "prompt tokens: copy 900, continue 1,000" in text and "| default@128 | 100 | 300 |" in text
     long_outputs.plot(data, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
