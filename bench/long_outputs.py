@@ -141,6 +141,9 @@ def main() -> None:
         str(min(longest, 8_192)),
         "--kvsparse-request-policies",
         ",".join(baselines) or "none",
+        # The row tables are sized by the largest request budget times the running requests.
+        "--max-running-requests",
+        str(args.concurrency),
     )
     made = provenance(sys.argv)
     answers: dict[str, dict[str, Any]] = {p.prompt_id: {} for p in prompts}
