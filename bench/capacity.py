@@ -160,6 +160,24 @@ def _sparse_check(input_len: int, pool: int, count: int, note: str = "") -> Capa
     )
 
 
+def _long_out(name: str, server: ServerSettings, model: str) -> CapacityProfile:
+    """Long outputs, where decode-time eviction runs: requests of 1,000 + 4,000 tokens in the KV
+    bytes of a 16,384-token dense pool (3 stock requests at their final length), sent 4 to stock
+    and 14 to the default."""
+    return CapacityProfile(
+        name=name,
+        description=f"Long outputs, where decode-time eviction runs ({model}): requests of 1,000 + 4,000 "
+        "tokens into the KV bytes of a 16,384-token dense pool (3 stock requests at their final length), "
+        "sent 4 to stock and 14 to the default (budget 1,024: every sparse layer evicts about 3,000 of each "
+        "request's keys while it decodes).",
+        server=server,
+        workloads=(_one(1000, 4000, 14),),
+        variants=(),
+        client_timeout_s=5400.0,
+        systems=(System(STOCK, stock=True, requests=4), System("default", PROJECT_DEFAULT)),
+    )
+
+
 #: Gemma 3 270M with its three global layers full: its sliding layers keep their window, lossless.
 GEMMA_GLOBALS_FULL = ("--kvsparse-full-layers", "5,11,17")
 
@@ -259,28 +277,11 @@ PROFILES: dict[str, CapacityProfile] = {
                 System("default-fp8", PROJECT_DEFAULT, kv_dtype="fp8_e4m3"),
             ),
         ),
-        CapacityProfile(
-            name="long-out",
-            description="Long outputs, where decode-time eviction runs (default model): requests of 1,000 + "
-            "4,000 tokens into the KV bytes of a 16,384-token dense pool (3 stock requests at their final "
-            "length), sent 4 to stock and 14 to the default (budget 1,024: every sparse layer evicts about "
-            "3,000 of each request's keys while it decodes).",
-            server=_cpu_server(16384),
-            workloads=(_one(1000, 4000, 14),),
-            variants=(),
-            client_timeout_s=5400.0,
-            systems=(System(STOCK, stock=True, requests=4), System("default", PROJECT_DEFAULT)),
-        ),
-        CapacityProfile(
-            name="long-out-llama",
-            description="Long outputs at Llama-3.1-8B's KV shape (32 layers, 8 KV heads, head dim 128; dummy "
-            "weights, tiny hidden size): requests of 1,000 + 4,000 tokens into the KV bytes of a 16,384-token "
-            "dense pool (3 stock requests at their final length), sent 4 to stock and 14 to the default.",
-            server=_cpu_server(16384, model="llama-3.1-8b", shape="kv"),
-            workloads=(_one(1000, 4000, 14),),
-            variants=(),
-            client_timeout_s=5400.0,
-            systems=(System(STOCK, stock=True, requests=4), System("default", PROJECT_DEFAULT)),
+        _long_out("long-out", _cpu_server(16384), "default model"),
+        _long_out(
+            "long-out-llama",
+            _cpu_server(16384, model="llama-3.1-8b", shape="kv"),
+            "Llama-3.1-8B's KV shape: 32 layers, 8 KV heads, head dim 128; dummy weights, tiny hidden size",
         ),
         _gemma(4000, 16384, (6, 20, 20)),
         _gemma(16000, 32768, (4, 11, 23), dummy=True),

@@ -135,10 +135,11 @@ def main() -> None:
     baselines = [p for p in args.baselines.split(",") if p]
     systems = systems_for(budgets, baselines, [int(b) for b in args.baseline_budgets.split(",") if b])
     settings = dataclasses.replace(SERVER_SETTINGS, max_total_tokens=args.max_total_tokens)
-    longest = max(lengths) + 4_096  # a prompt of the suite and its output fit the model's 8,192
+    # A full-cache request holds its prompt (the suite's are under 4,096 tokens) and its output in
+    # its sparse rows, which the largest request budget sizes; the model's context is 8,192.
     flags = (
         "--kvsparse-max-request-budget",
-        str(min(longest, 8_192)),
+        str(min(max(lengths) + 4_096, 8_192)),
         "--kvsparse-request-policies",
         ",".join(baselines) or "none",
         # The row tables are sized by the largest request budget times the running requests.

@@ -1,8 +1,9 @@
 """Random eviction: the baseline that any scoring must beat on long outputs.
 
-Studies of decode-time eviction on reasoning-length outputs found random per-head eviction that
-keeps the prompt's sinks and the recent window about as good as scored eviction; a policy's
-scores only earn their cost where they beat this.
+A study of decode-time eviction on reasoning-length outputs found random per-head eviction (the
+prompt kept) about as good as scored eviction; a policy's scores only earn their cost where they
+beat chance. This one keeps the sinks and the recent window and chooses the rest at random, the
+prompt's keys included.
 """
 
 from __future__ import annotations
