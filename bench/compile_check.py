@@ -52,6 +52,9 @@ GROUPS = (1, 4, 8)
 #: and a large one a request may ask for (the row is one register tile, its width a power of two).
 EVICT_ROWS = (256 + 16, 1024 + 16, 4096 + 16)
 
+#: The variant of a decode or write launch that reads each request's rule from a tensor.
+PER_ROW = "per-row"
+
 #: Hopper's per-block limits (H100/H200, sm_90): dynamic shared memory and registers per SM.
 MAX_SHARED_BYTES = 232_448
 REGISTERS_PER_SM = 65_536
@@ -65,7 +68,10 @@ class Case:
     head_dim: int
     dtype: str
     group: int = 1
-    variant: str = ""  # extend: stats / no-stats; decode: its score update; evict: the row's entries
+    #: extend: stats / no-stats; decode: its score update, or per-row (each request's own: a
+    #: captured step, or a batch of several policies); write: the first score's kind, or per-row;
+    #: evict: the row's entries
+    variant: str = ""
     kv_dtype: str = ""  # the K/V buffers' dtype when it is not `dtype` (FP8)
 
     @property
@@ -99,16 +105,19 @@ def cases() -> list[Case]:
                 out.append(Case("extend", d, dtype, g, "stats"))
                 out.append(Case("window_scores", d, dtype, g))
                 out.append(Case("decode", d, dtype, g, "add"))
+                out.append(Case("decode", d, dtype, g, PER_ROW))
             out.append(Case("extend", d, dtype, 4, "no-stats"))
             out.append(Case("decode", d, dtype, 4, "replace"))
             out.append(Case("decode", d, dtype, 4, "none"))
-            out.append(Case("write", d, dtype))
+            out.append(Case("write", d, dtype, 1, "zero"))
+            out.append(Case("write", d, dtype, 1, PER_ROW))
             out.extend(Case("evict", d, dtype, 1, str(n)) for n in EVICT_ROWS)
         for kv in FP8:
             out.append(Case("extend", d, "bfloat16", 4, "stats", kv))
             out.append(Case("window_scores", d, "bfloat16", 4, "", kv))
             out.append(Case("decode", d, "bfloat16", 4, "add", kv))
-            out.append(Case("write", d, "bfloat16", 1, "", kv))
+            out.append(Case("decode", d, "bfloat16", 4, PER_ROW, kv))
+            out.append(Case("write", d, "bfloat16", 1, PER_ROW, kv))
             out.append(Case("evict", d, "bfloat16", 1, str(EVICT_ROWS[1]), kv))
     return out
 
@@ -205,7 +214,8 @@ def _launch(case: Case) -> None:
             scores,
             0.1,
             score_indices=table,
-            score_update=case.variant,
+            score_update="add" if case.variant == PER_ROW else case.variant,
+            row_updates=torch.zeros(batch, dtype=torch.int32) if case.variant == PER_ROW else None,
             num_kv_splits=kernels.decode_attention.MAX_SPLITS,  # the widest merge a server compiles
         )
     elif case.family == "write":
@@ -218,7 +228,9 @@ def _launch(case: Case) -> None:
             torch.arange(n, dtype=torch.int64),
             torch.zeros(n, heads, d, dtype=dtype),
             torch.zeros(n, heads, d, dtype=dtype),
-            torch.zeros(n, heads, dtype=torch.float32),
+            torch.arange(n, dtype=torch.int64),
+            first_score="zero" if case.variant == PER_ROW else case.variant,
+            first_kinds=torch.zeros(n, dtype=torch.int32) if case.variant == PER_ROW else None,
         )
     elif case.family == "evict":
         n = int(case.variant)

@@ -15,9 +15,10 @@ the run goes on:
   graph      the sparse decode step as SGLang's graph runner drives the backend's sparse side
              (``SparseForward``: its fixed buffers, planned into before every replay, under
              ``torch.cuda.set_sync_debug_mode("error")``), captured once in a ``torch.cuda.CUDAGraph``
-             and replayed for 300 steps in which requests
-             join, evict and finish, against the eager step on a twin state: outputs compared, and
-             the median step time of both. (CPU: the buffers without a graph.)
+             and replayed for 300 steps in which requests, of the server's policy or their own
+             (TOVA, KeyNorm, random: every score update and first score), join, evict and finish,
+             against the eager step on a twin state: outputs compared, and the median step time
+             of both. (CPU: the buffers without a graph.)
   bandwidth  ``bench/bandwidth.py``: the decode and eviction kernels' achieved bandwidth against the
              device's copy bandwidth and the decode's time against torch's flash SDPA over the
              same K/V, contexts 1k-32k, batches 1-128, head dims 64-256, GQA 1-8 (decode:
@@ -52,11 +53,15 @@ from common.report import ReportPaths, provenance_line, write_json
 
 importable()
 
+from sglang_kvsparse.config.request_sparsity import SERVER_SETTING, RequestSparsity  # noqa: E402
+from sglang_kvsparse.policies import POLICIES  # noqa: E402
 from sglang_kvsparse.state.sparse_state import SparseState  # noqa: E402
 from tests.unit.heap import ReplayStep, decode_lifecycle, eager_step, make_state  # noqa: E402
 
 STEPS = 300
 GRAPH_BS = 6
+#: The graph step's requests: the server's policy's, or one of their own that decodes otherwise.
+OWN_POLICIES = ("tova", "keynorm", "random")
 SERVING_PROFILE = "gpu-check-serving"
 STEP_NAMES = ("kernels", "step-cost", "graph", "bandwidth", "serving")
 #: Each subprocess step's limit in seconds: together under 8 minutes with the graph step.
@@ -157,15 +162,17 @@ def timed_eager(times: list[float]) -> Callable:
 
 
 def check_graph(device: str) -> dict[str, Any]:
+    settings = (SERVER_SETTING, *(RequestSparsity(policy=POLICIES[name]()) for name in OWN_POLICIES))
     eager_times: list[float] = []
-    eager, evicting = decode_lifecycle(lifecycle_state(device), STEPS, timed_eager(eager_times))
+    eager, evicting = decode_lifecycle(lifecycle_state(device), STEPS, timed_eager(eager_times), settings=settings)
     state = lifecycle_state(device)
     graph = GraphDecode(state, device)
-    replayed, _ = decode_lifecycle(state, STEPS, graph)
+    replayed, _ = decode_lifecycle(state, STEPS, graph, settings=settings)
     worst = max((float((a - b).abs().max()) for a, b in zip(eager, replayed)), default=0.0)
     return {
         "decode_steps": len(eager),
         "steps_with_evictions": evicting,
+        "request_policies": ["server's", *OWN_POLICIES],
         "max_abs_difference": worst,
         "eager_step_ms_median": 1e3 * statistics.median(eager_times),
         "graph_step_ms_median": 1e3 * statistics.median(graph.times[1:] or graph.times),

@@ -20,6 +20,7 @@ from .extend_attention import (
     extend_attention_with_stats_torch,
     extend_attention_with_stats_triton,
 )
+from .first_scores import FIRST_SCORES, FirstScore, first_scores, minus_key_norm, position_hash
 from .selection import peaks, pool_scores, select_kept, select_rows, spread_scores
 from .window_scores import (
     WindowScoreConfig,
@@ -30,9 +31,11 @@ from .window_scores import (
 from .write import write_entries, write_entries_torch, write_entries_triton
 
 __all__ = [
+    "FIRST_SCORES",
     "SCORE_UPDATES",
     "DecodeConfig",
     "ExtendConfig",
+    "FirstScore",
     "ScoreUpdate",
     "WindowScoreConfig",
     "peaks",
@@ -45,6 +48,9 @@ __all__ = [
     "extend_attention_with_stats",
     "extend_attention_with_stats_torch",
     "extend_attention_with_stats_triton",
+    "first_scores",
+    "minus_key_norm",
+    "position_hash",
     "pool_scores",
     "select_kept",
     "select_rows",

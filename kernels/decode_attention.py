@@ -212,9 +212,11 @@ def _decode_finalize_kernel(
     LOGITS,
     kv_lens,
     score_indices,
+    row_updates,
     window,
     stride_sib,
     stride_sin,
+    stride_ru,
     stride_ob,
     stride_oh,
     stride_st,
@@ -233,7 +235,7 @@ def _decode_finalize_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    UPDATE: tl.constexpr,  # index into SCORE_UPDATES
+    UPDATE: tl.constexpr,  # index into SCORE_UPDATES, or -1: each request's own in `row_updates`
 ):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -274,7 +276,11 @@ def _decode_finalize_kernel(
             )
             acc += tl.exp2(s_lse - lse)[:, None] * s_o
         tl.store(o_ptr, acc.to(Out.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
-    if UPDATE == 2:  # "none"
+    if UPDATE < 0:
+        update = tl.load(row_updates + req * stride_ru)
+    else:
+        update = UPDATE
+    if update == 2:  # "none"
         return
 
     lo = tl.where(window > 0, tl.maximum(kv_len - window, 0), 0)
@@ -293,7 +299,9 @@ def _decode_finalize_kernel(
         prob = tl.sum(tl.exp2(logits - lse[:, None]), 0)
         slot = tl.load(score_indices + req * stride_sib + n * stride_sin, mask=n_ok, other=0).to(tl.int64)
         ptr = SCORES + slot * stride_st + kv_head * stride_sh
-        if UPDATE == 0:  # "add"
+        if UPDATE < 0:
+            prob += tl.load(ptr, mask=n_ok & (update == 0), other=0.0)
+        elif UPDATE == 0:  # "add"
             prob += tl.load(ptr, mask=n_ok, other=0.0)
         tl.store(ptr, prob, mask=n_ok)
 
@@ -309,6 +317,7 @@ def decode_attention_with_scores_triton(
     *,
     score_indices: torch.Tensor | None = None,
     score_update: ScoreUpdate = "add",
+    row_updates: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
@@ -320,9 +329,9 @@ def decode_attention_with_scores_triton(
     _check_window(window)
     if num_kv_splits is not None and num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
-    update = _update_index(score_update)
+    update = _update_index(score_update) if row_updates is None else -1
     group = check_group(q.shape[1], k_buf.shape[1])
-    score_indices = _check_table(q, kv_lens, kv_indices, score_indices)
+    score_indices = _check_table(q, kv_lens, kv_indices, score_indices, row_updates)
     cfg = config or default_decode_config(q.dtype)
     batch, num_q_heads, head_dim = q.shape
     o = torch.empty_like(q) if out is None else out
@@ -333,7 +342,7 @@ def decode_attention_with_scores_triton(
         num_kv_splits = decode_splits(batch, k_buf.shape[1], kv_indices.shape[1], processor_count(dev))
     mid_o = torch.empty((batch, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32, device=dev)
     mid_lse = torch.empty((batch, num_q_heads, num_kv_splits), dtype=torch.float32, device=dev)
-    save_logits = SCORE_UPDATES[update] != "none"
+    save_logits = update < 0 or SCORE_UPDATES[update] != "none"
     logits_len = kv_indices.shape[1] if save_logits else 1
     logits = torch.empty((batch, logits_len, num_q_heads), dtype=torch.float32, device=dev)
     grid = (batch, k_buf.shape[1], num_kv_splits)
@@ -386,9 +395,11 @@ def decode_attention_with_scores_triton(
         logits,
         kv_lens,
         score_indices,
+        row_updates if row_updates is not None else kv_lens,  # a valid pointer the kernel never reads
         window,
         score_indices.stride(0),
         score_indices.stride(1),
+        0 if row_updates is None else row_updates.stride(0),
         o.stride(0),
         o.stride(1),
         score_buf.stride(0),
@@ -424,6 +435,7 @@ def decode_attention_with_scores_torch(
     *,
     score_indices: torch.Tensor | None = None,
     score_update: ScoreUpdate = "add",
+    row_updates: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
@@ -442,7 +454,7 @@ def decode_attention_with_scores_torch(
     _check_window(window)
     _update_index(score_update)  # validates
     group = check_group(q.shape[1], k_buf.shape[1])
-    score_indices = _check_table(q, kv_lens, kv_indices, score_indices)
+    score_indices = _check_table(q, kv_lens, kv_indices, score_indices, row_updates)
     o = torch.empty_like(q) if out is None else out
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     batch, width = kv_indices.shape
@@ -475,15 +487,23 @@ def decode_attention_with_scores_torch(
     else:
         values = torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in range(heads)], 1)
     out.copy_(values if v_scale == 1.0 else values * v_scale)
-    if score_update == "none":
+    if row_updates is None and score_update == "none":
         return o
     mass = probs.sum(dim=2).transpose(1, 2).reshape(batch * width, heads)  # [B * W, H_kv]
     # Padding (and keys before a window) add their zeros to slot 0, not to the slot they name
     # (another request's or their own, whose bytes an added zero could still change, e.g. a flushed
-    # denormal): as the kernel, which skips them.
-    pad = padding[:, 0, 0, :].reshape(-1, 1)
-    slots = score_indices.masked_fill(padding[:, 0, 0, :], 0).reshape(-1)
-    if score_update == "replace":  # added as a difference: no boolean mask, so no wait on the device
+    # denormal): as the kernel, which skips them. So do the keys of a request whose update is "none".
+    skipped = padding[:, 0, 0, :]
+    if row_updates is not None:
+        skipped = skipped | (row_updates == SCORE_UPDATES.index("none"))[:, None]
+    slots = score_indices.masked_fill(skipped, 0).reshape(-1)
+    pad = skipped.reshape(-1, 1)
+    # "replace" is added as a difference: no boolean mask, so no wait on the device.
+    if row_updates is not None:
+        replacing = (row_updates == SCORE_UPDATES.index("replace"))[:, None].expand(batch, width).reshape(-1, 1)
+        old = torch.where(replacing, score_buf.index_select(0, slots).to(mass.dtype), 0.0)
+        mass = torch.where(pad, 0.0, mass - old)
+    elif score_update == "replace":
         mass = torch.where(pad, 0.0, mass - score_buf.index_select(0, slots).to(mass.dtype))
     score_buf.index_add_(0, slots, mass.to(score_buf.dtype))
     return o
@@ -500,6 +520,7 @@ def decode_attention_with_scores(
     *,
     score_indices: torch.Tensor | None = None,
     score_update: ScoreUpdate = "add",
+    row_updates: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
@@ -528,6 +549,9 @@ def decode_attention_with_scores(
             batch's keys, except slots whose scores are never read (their sums are then undefined).
         score_update: "add" as above; "replace" writes the sum instead of adding it; "none"
             leaves `score_buf` untouched.
+        row_updates: int32 [B] (any stride), each request's own update as an index into
+            `SCORE_UPDATES` (overrides `score_update`): requests of different scoring policies in
+            one launch, and in one captured graph.
         sm_scale: logit scale; num_kv_splits: key chunks per request (split-K parallelism;
             default `decode_splits` for the batch, the table's width and the device).
         out: optional [B, H_q, D] output; config: Triton tiles; backend: as usual.
@@ -553,6 +577,7 @@ def decode_attention_with_scores(
         sm_scale,
         score_indices=score_indices,
         score_update=score_update,
+        row_updates=row_updates,
         num_kv_splits=num_kv_splits,
         out=out,
         config=config,
@@ -575,7 +600,11 @@ def _update_index(score_update: str) -> int:
 
 
 def _check_table(
-    q: torch.Tensor, kv_lens: torch.Tensor, kv_indices: torch.Tensor, score_indices: torch.Tensor | None
+    q: torch.Tensor,
+    kv_lens: torch.Tensor,
+    kv_indices: torch.Tensor,
+    score_indices: torch.Tensor | None,
+    row_updates: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Shape checks (no values read: nothing waits on the device); returns the score indices."""
     batch = q.shape[0]
@@ -583,6 +612,8 @@ def _check_table(
         raise ValueError(
             f"need kv_lens [B={batch}] and kv_indices [B, W]; got {tuple(kv_lens.shape)}, {tuple(kv_indices.shape)}"
         )
+    if row_updates is not None and row_updates.shape != (batch,):
+        raise ValueError(f"row_updates must be [B={batch}], got {tuple(row_updates.shape)}")
     if score_indices is None:
         return kv_indices
     if score_indices.shape != kv_indices.shape:

@@ -1,10 +1,12 @@
 """A decode step's new entries into their slots: K, V and first score in one launch.
 
 Each request of a decode step appends one entry per sparse layer: its key and value go to the
-entry's row of the layer's lane and its first score (the policy's `new_key_scores`, zero for the
-attention-based ones) to the entry's score slot. As plain torch that is four launches per layer
-(two K/V scatters, a zero fill and a score scatter); this kernel does it in one, which matters
-where the layers run eagerly (no captured graph) and the host pays for every launch. Into FP8
+entry's row of the layer's lane and its first score (its policy's `first_score` kind,
+`first_scores.py`: zero for the attention-based ones) to the entry's score slot. As plain torch
+that is four launches per layer or more (two K/V scatters, the first scores, a score scatter);
+this kernel does it in one, which matters where the layers run eagerly (no captured graph) and
+the host pays for every launch, and computes each entry's first score in registers by its own
+kind, so that requests of different policies share one launch (and one captured graph). Into FP8
 buffers the K/V are quantized on the way (divided by the layer's scales in float32, rounded to
 nearest even), as SGLang's pool writes them.
 """
@@ -16,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .common import FP8_DTYPES, Backend, interpreting, quantize, use_triton
+from .first_scores import HASH_MIX, FirstScore, first_score_index, first_scores, first_scores_by_row
 
 
 @triton.jit
@@ -25,7 +28,8 @@ def _write_entries_kernel(
     S_buf,
     K_new,
     V_new,
-    S_new,
+    positions,
+    kinds,
     slots,
     score_slots,
     k_scale,
@@ -40,27 +44,37 @@ def _write_entries_kernel(
     stride_khn,
     stride_vn,
     stride_vhn,
-    stride_sn,
-    stride_shn,
+    stride_kind,
+    heads,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    HAS_SCORES: tl.constexpr,
+    KIND: tl.constexpr,  # index into FIRST_SCORES, or -1: each entry's own in `kinds`
+    MIX: tl.constexpr,
 ):
-    """Program (b, h): entry b's K/V of KV head h into row slots[b], its score into score_slots[b]."""
+    """Program (b, h): entry b's K/V of KV head h into row slots[b], its first score into
+    score_slots[b]."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots + b).to(tl.int64)
     score_slot = tl.load(score_slots + b).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    k = tl.load(K_new + b * stride_kn + h * stride_khn + offs_d, mask=d_ok).to(tl.float32) / k_scale
-    tl.store(K_buf + slot * stride_kb + h * stride_kh + offs_d, k.to(K_buf.dtype.element_ty), mask=d_ok)
+    k = tl.load(K_new + b * stride_kn + h * stride_khn + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    tl.store(K_buf + slot * stride_kb + h * stride_kh + offs_d, (k / k_scale).to(K_buf.dtype.element_ty), mask=d_ok)
     v = tl.load(V_new + b * stride_vn + h * stride_vhn + offs_d, mask=d_ok).to(tl.float32) / v_scale
     tl.store(V_buf + slot * stride_vb + h * stride_vh + offs_d, v.to(V_buf.dtype.element_ty), mask=d_ok)
-    if HAS_SCORES:
-        score = tl.load(S_new + b * stride_sn + h * stride_shn)
+    if KIND < 0:
+        kind = tl.load(kinds + b * stride_kind)
     else:
-        score = 0.0
+        kind = KIND
+    position = tl.load(positions + b).to(tl.int64)
+    x = (position * heads + h + 1) & 0xFFFFFFFF  # `position_hash`, in int64 as its reference
+    x = (((x >> 16) ^ x) * MIX) & 0xFFFFFFFF
+    x = (((x >> 16) ^ x) * MIX) & 0xFFFFFFFF
+    x = (x >> 16) ^ x
+    score = tl.where(kind == 1, -tl.sqrt(tl.sum(k * k, 0)), 0.0)
+    score = tl.where(kind == 2, position.to(tl.float32), score)
+    score = tl.where(kind == 3, x.to(tl.float32) / 4294967296.0, score)
     tl.store(S_buf + score_slot * stride_sb + h * stride_sh, score)
 
 
@@ -72,7 +86,8 @@ def _check(
     score_slots: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    scores: torch.Tensor | None,
+    positions: torch.Tensor,
+    first_kinds: torch.Tensor | None,
 ) -> None:
     """Shape checks that turn silent out-of-range writes into errors (no value is read)."""
     n, heads = slots.shape[0], k_buf.shape[1]
@@ -84,8 +99,8 @@ def _check(
         )
     if k.shape != (n, heads, k_buf.shape[2]) or v.shape != k.shape:
         raise ValueError(f"k and v must be [N={n}, H_kv={heads}, D={k_buf.shape[2]}], got {tuple(k.shape)}")
-    if scores is not None and scores.shape != (n, heads):
-        raise ValueError(f"scores must be [N={n}, H_kv={heads}], got {tuple(scores.shape)}")
+    if positions.shape != (n,) or (first_kinds is not None and first_kinds.shape != (n,)):
+        raise ValueError(f"positions and first_kinds must be [N={n}]")
 
 
 def write_entries_triton(
@@ -96,27 +111,32 @@ def write_entries_triton(
     score_slots: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    scores: torch.Tensor | None = None,
+    positions: torch.Tensor,
+    first_score: FirstScore = "zero",
+    first_kinds: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
     """Triton implementation; see :func:`write_entries` for the contract."""
-    _check(k_buf, v_buf, score_buf, slots, score_slots, k, v, scores)
+    _check(k_buf, v_buf, score_buf, slots, score_slots, k, v, positions, first_kinds)
+    kind = first_score_index(first_score) if first_kinds is None else -1
     n, heads, head_dim = k.shape
     if n == 0:
         return
+    real_k = k
     if interpreting() and k_buf.dtype in FP8_DTYPES:
         # The interpreter's float32 -> FP8 cast is not round-to-nearest (subnormals, some e5m2
         # exponents): quantize as the reference does; the kernel then copies the FP8 values exactly.
         k, v, k_scale, v_scale = quantize(k, k_buf.dtype, k_scale), quantize(v, v_buf.dtype, v_scale), 1.0, 1.0
-    given = scores if scores is not None else score_buf  # a valid pointer the kernel never reads
+    kinds = first_kinds if first_kinds is not None else slots  # a valid pointer the kernel never reads
     _write_entries_kernel[(n, heads)](
         k_buf,
         v_buf,
         score_buf,
         k,
         v,
-        given,
+        positions,
+        kinds,
         slots,
         score_slots,
         k_scale,
@@ -131,13 +151,16 @@ def write_entries_triton(
         k.stride(1),
         v.stride(0),
         v.stride(1),
-        given.stride(0),
-        given.stride(1),
+        kinds.stride(0),
+        heads,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        HAS_SCORES=scores is not None,
+        KIND=kind,
+        MIX=HASH_MIX,
         num_warps=1,
     )
+    if real_k is not k:  # the kernel saw the quantized keys: the real keys' first scores, as the reference
+        score_buf[score_slots] = _first_scores(real_k, positions, first_score, first_kinds)
 
 
 def write_entries_torch(
@@ -148,15 +171,26 @@ def write_entries_torch(
     score_slots: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    scores: torch.Tensor | None = None,
+    positions: torch.Tensor,
+    first_score: FirstScore = "zero",
+    first_kinds: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
     """Plain-torch reference."""
-    _check(k_buf, v_buf, score_buf, slots, score_slots, k, v, scores)
+    _check(k_buf, v_buf, score_buf, slots, score_slots, k, v, positions, first_kinds)
     k_buf[slots] = quantize(k, k_buf.dtype, k_scale)
     v_buf[slots] = quantize(v, v_buf.dtype, v_scale)
-    score_buf[score_slots] = 0.0 if scores is None else scores.to(score_buf.dtype)
+    score_buf[score_slots] = _first_scores(k, positions, first_score, first_kinds)
+
+
+def _first_scores(
+    k: torch.Tensor, positions: torch.Tensor, first_score: FirstScore, first_kinds: torch.Tensor | None
+) -> torch.Tensor:
+    """[N, H_kv] the entries' first scores: each by its own kind, or all by `first_score`."""
+    if first_kinds is not None:
+        return first_scores_by_row(first_kinds, k, positions)
+    return first_scores(first_score, k, positions)
 
 
 def write_entries(
@@ -167,21 +201,26 @@ def write_entries(
     score_slots: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    scores: torch.Tensor | None = None,
+    positions: torch.Tensor,
     *,
+    first_score: FirstScore = "zero",
+    first_kinds: torch.Tensor | None = None,
     backend: Backend = "auto",
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
     """In place, for every new entry b: k_buf[slots[b]] = k[b], v_buf[slots[b]] = v[b] (cast to
     the buffers' dtype: into FP8 divided by `k_scale` / `v_scale` first, `common.quantize`) and
-    score_buf[score_slots[b]] = scores[b] (zero when `scores` is None).
+    score_buf[score_slots[b]] = its first score (`first_scores.first_scores` of the real key k[b]
+    at positions[b]).
 
     Args:
         k_buf, v_buf: [num_slots, H_kv, D]; score_buf: [num_score_slots, H_kv] float32.
         slots, score_slots: [N] int distinct slots.
-        k, v: [N, H_kv, D]; scores: [N, H_kv] or None.
+        k, v: [N, H_kv, D]; positions: [N] int, the entries' positions in their sequences.
+        first_score: every entry's kind; first_kinds: [N] int32 (any stride), each entry's own
+            kind as an index into `FIRST_SCORES` (overrides `first_score`).
         backend: "auto" (Triton on CUDA), "triton" or "torch".
     """
     impl = write_entries_triton if use_triton(backend, k_buf, v_buf, score_buf, slots, k) else write_entries_torch
-    impl(k_buf, v_buf, score_buf, slots, score_slots, k, v, scores, k_scale=k_scale, v_scale=v_scale)
+    impl(k_buf, v_buf, score_buf, slots, score_slots, k, v, positions, first_score, first_kinds, k_scale, v_scale)

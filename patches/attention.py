@@ -123,10 +123,6 @@ class KVSparseBackend(AttentionBackend):
     def on_after_cuda_graph_warmup(self) -> None:
         self.inner.on_after_cuda_graph_warmup()
 
-    def can_replay(self, forward_batch: Any) -> bool:
-        """Whether a decode step of this batch can replay a captured graph (`SparseForward.can_replay`)."""
-        return self.sparse.can_replay(self._req_indices(forward_batch))
-
     def expect_replay(self, forward_batch: Any) -> None:
         """The decode step about to replay this batch: its real request indices, for the replay's
         planning (`init_forward_metadata_out_graph`, which SGLang calls with a padded view)."""
@@ -184,13 +180,6 @@ def kv_scales(layer: Any) -> KVScales:
     return KVScales(layer.k_scale_float or 1.0, layer.v_scale_float or 1.0)
 
 
-def graph_can_run(original: Callable[..., bool], runner: Any, forward_batch: Any) -> bool:
-    """AROUND `DecodeCudaGraphRunner.can_run_graph`: SGLang's answer, and the sparse layers'."""
-    backend = runner.attn_backend
-    ok = original(runner, forward_batch)
-    return ok and (not isinstance(backend, KVSparseBackend) or backend.can_replay(forward_batch))
-
-
 def graph_execute(original: Callable[..., Any], runner: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND `DecodeCudaGraphRunner.execute`: the replay's planning (`init_forward_metadata_out_graph`,
     which SGLang calls with a padded view of the batch) learns the real batch's request indices."""
@@ -242,7 +231,6 @@ def installed() -> bool:
 __all__ = [
     "KVSparseBackend",
     "WRAPPED_BACKENDS",
-    "graph_can_run",
     "graph_execute",
     "install",
     "installed",

@@ -46,8 +46,6 @@ FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_
 #: AFTER: the issued forward's evicted rows and prefix pins go back (`attention.release_after_forward`).
 FORWARD_RAW = "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw"
 _GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
-#: AROUND: a decode step replays a captured graph only where the sparse layers can (`attention.graph_can_run`).
-GRAPH_CAN_RUN = f"{_GRAPH_RUNNER}.can_run_graph"
 #: AROUND: a replay's planning learns the real batch's request indices (`attention.graph_execute`).
 GRAPH_EXECUTE = f"{_GRAPH_RUNNER}.execute"
 #: AFTER: SGLang's metrics logging sets the sparse gauges too (`observability.set_gauges`).
@@ -71,7 +69,6 @@ ALL: tuple[str, ...] = (
     INTERNAL_STATE,
     FORWARD_BATCH,
     FORWARD_RAW,
-    GRAPH_CAN_RUN,
     GRAPH_EXECUTE,
     LOG_STATS,
 )

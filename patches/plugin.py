@@ -58,7 +58,6 @@ def load() -> None:
         (hooks.INTERNAL_STATE, observability.add_stats, HookType.AFTER),
         (hooks.FORWARD_BATCH, attention.with_host_indices, HookType.AFTER),
         (hooks.FORWARD_RAW, attention.release_after_forward, HookType.AFTER),
-        (hooks.GRAPH_CAN_RUN, attention.graph_can_run, HookType.AROUND),
         (hooks.GRAPH_EXECUTE, attention.graph_execute, HookType.AROUND),
         (hooks.LOG_STATS, observability.set_gauges, HookType.AFTER),
     ]

@@ -7,10 +7,10 @@ to `max_bs` requests at the group's widest row (at the largest budget a request 
 Before a replay, the step's plan is built as for an eager step (`planning.plan_decode`), its
 evictions run (`eviction.evict_planned`: their shapes vary, so they stay outside the
 graph), and `fill` copies its tables into the buffers; rows of the captured batch past the real
-ones get no keys (a zero output) and store their token in the padding row. Every request is
-scored by the server's policy there: a request's own policy rides along when it decodes alike
-(`ScoringPolicy.decodes_like`), and otherwise needs the eager step (`sparse_decode`).
-No SGLang imports.
+ones get no keys (a zero output) and store their token in the padding row. A captured step
+reads each row's decode rule (`ForwardPlan.row_kinds`) from a buffer too, so requests with
+policies of their own replay in the same graph (their evictions, ranked by their own policies,
+run before it). No SGLang imports.
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ class DecodeBuffers:
         self.max_bs = max_bs
         self.sink, self.window = state.config.sink, state.config.window
         self.tables = tuple(self._empty(group.table.max_entries, group.columns, device) for group in state.groups)
+        #: Each row's decode rule (`ScoringPolicy.decode_rule`), and the server policy's for every row.
+        self.server_kinds = torch.empty((max_bs, 2), dtype=torch.int32, device=device)
+        for column, kind in enumerate(state.policy.decode_rule()):
+            self.server_kinds[:, column].fill_(kind)
+        self.row_kinds = self.server_kinds.clone()
 
     def _empty(self, width: int, columns: int, device: torch.device | str) -> DecodeTables:
         def zeros(*shape: int) -> torch.Tensor:
@@ -52,15 +57,14 @@ class DecodeBuffers:
             tuple(_rows(tables, bs).column(c) for c in range(tables.entries.shape[2])) for tables in self.tables
         )
         qo_indptr = torch.arange(bs + 1, dtype=torch.int32, device=self.tables[0].lengths.device)
-        return ForwardPlan(qo_indptr, columns, self.sink, self.window)
+        return ForwardPlan(qo_indptr, columns, self.sink, self.window, row_kinds=self.row_kinds[:bs])
 
     def fill(self, plan: ForwardPlan) -> None:
-        """Copy an eager decode plan's tables in place (its evictions must already have run);
-        rows past its batch get no keys and store into the padding row (slot 0)."""
+        """Copy an eager decode plan's tables and decode rules in place (its evictions must
+        already have run); rows past its batch get no keys and store into the padding row (slot
+        0), by the server's rule."""
         if len(plan.decode_tables) != len(self.tables):
             raise ValueError("fill takes a decode plan of the same state")
-        if plan.policy_groups:
-            raise ValueError("a captured decode step scores with the server's policy: no request may have its own")
         for step, buffers in zip(plan.decode_tables, self.tables):
             bs, width = step.entries.shape[:2]
             if bs > self.max_bs or width > buffers.entries.shape[1]:
@@ -73,6 +77,9 @@ class DecodeBuffers:
             buffers.newest[:, bs:].zero_()
             buffers.newest_scores[:, :bs].copy_(step.newest_scores)
             buffers.newest_scores[:, bs:].zero_()
+        self.row_kinds.copy_(self.server_kinds)
+        if plan.row_kinds is not None:
+            self.row_kinds[: plan.row_kinds.shape[0]].copy_(plan.row_kinds)
 
 
 def _rows(tables: DecodeTables, bs: int) -> DecodeTables:

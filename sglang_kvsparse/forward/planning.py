@@ -149,11 +149,9 @@ class _Staging:
             return None
         return self.add(entries), self.add(values), self.add(score_entries), self.add(score_values)
 
-    def policies(
-        self, state: SparseState, index: torch.Tensor, decoding: bool = False
-    ) -> list[tuple[ScoringPolicy, int, int]]:
+    def policies(self, state: SparseState, index: torch.Tensor) -> list[tuple[ScoringPolicy, int, int]]:
         """Every policy of the batch with its requests' batch indices and mask (`_policy_members`), staged."""
-        members = _policy_members(state, index, decoding)
+        members = _policy_members(state, index)
         return [(policy, self.add(at), self.add(mask)) for policy, at, mask in members]
 
     def send(self, device: torch.device | str) -> Callable[[int | None], torch.Tensor | None]:
@@ -189,7 +187,7 @@ def build_decode(
     for e in evicting:
         slots, score_slots = _old_entries(state, state.groups[e.group], e.req_indices, e.olds)
         kinds.append((e.group, e.budget, e.policy, staging.add(slots), staging.add(score_slots)))
-    policies = staging.policies(state, index, decoding=True)
+    at_kinds = staging.add(_row_kinds(state, index))
     at_indptr = staging.add(indptr(torch.ones(len(index), dtype=torch.int64)))
     get = staging.send(device)
     for group, write in zip(state.groups, writes):
@@ -206,20 +204,25 @@ def build_decode(
         state.config.window,
         decode_tables=decode_tables,
         evictions=tuple(Eviction(g, b, get(sl), get(sc), policy) for g, b, policy, sl, sc in kinds),
-        policy_groups=tuple(PolicyGroup(policy, get(r), get(m)) for policy, r, m in policies),
+        row_kinds=get(at_kinds),
     )
 
 
-def _policy_members(
-    state: SparseState, index: torch.Tensor, decoding: bool = False
-) -> list[tuple[ScoringPolicy, torch.Tensor, torch.Tensor]]:
+def _row_kinds(state: SparseState, index: torch.Tensor) -> torch.Tensor | None:
+    """[B, 2] int32 host: each request's `decode_rule` (its own policy's, else the server's), when
+    some request's policy decodes otherwise than the server's (`ScoringPolicy.decodes_like`);
+    None when every row decodes as the server's."""
+    server = state.policy
+    policies = [state.requests.policy[req_idx] or server for req_idx in index.tolist()]
+    if all(policy.decodes_like(server) for policy in policies):
+        return None
+    return torch.tensor([policy.decode_rule() for policy in policies], dtype=torch.int32)
+
+
+def _policy_members(state: SparseState, index: torch.Tensor) -> list[tuple[ScoringPolicy, torch.Tensor, torch.Tensor]]:
     """Every policy of the batch of requests `index` with its requests' indices in the batch and
-    the same as a mask (host), when some request has a policy of its own (none otherwise). For a
-    decode step, a policy that decodes like the server's (`ScoringPolicy.decodes_like`) counts as
-    the server's: the step is the same for both."""
+    the same as a mask (host), when some request has a policy of its own (none otherwise)."""
     policies = [state.requests.policy[req_idx] for req_idx in index.tolist()]
-    if decoding:
-        policies = [None if p is None or p.decodes_like(state.policy) else p for p in policies]
     if all(policy is None for policy in policies):
         return []
     members: dict[ScoringPolicy, list[int]] = {}

@@ -106,8 +106,11 @@ class ForwardPlan:
     only stored), and `kept_positions` are then the sequence positions of the requests that do.
     `store_positions`: which of the batch's new tokens the columns' `store_slots` store;
     `work_positions`: those of guided requests, which wait in the columns' `work_slots`.
-    `policy_groups`: when some request has a policy of its own, every policy of the batch with its
-    requests (empty: the server's policy serves them all). `sentence_ends` [total_kv] bool: the
+    `policy_groups` (a prefill): when some request has a policy of its own, every policy of the
+    batch with its requests (empty: the server's policy serves them all). `row_kinds` (a decode
+    step) [B, 2] int32: each request's policy's `decode_rule` (score update, first score), when
+    some request decodes otherwise than the server's policy (None: every row as the server's); a
+    captured step always reads them (its buffers'). `sentence_ends` [total_kv] bool: the
     sequence's keys whose token ends a sentence (a prefill on a server that knows its tokens;
     `sglang_kvsparse.policies.sentences`), else None. `evictions`: a decode step's, one per group and
     (budget, policy) among its evicting requests.
@@ -127,6 +130,7 @@ class ForwardPlan:
     decode_tables: tuple[DecodeTables, ...] = ()  # [group], decode plans only
     evictions: tuple[Eviction, ...] = ()
     policy_groups: tuple[PolicyGroup, ...] = ()
+    row_kinds: torch.Tensor | None = None
     sentence_ends: torch.Tensor | None = None
 
     def column(self, place: LayerPlace) -> ColumnPlan:

@@ -57,7 +57,7 @@ def sparse_extend(
     The keys are the batch's own `k`/`v` ([T, H_kv, D]), preceded per request by its cached
     prefix's entries from the prefix store when it has one (`sequence_kv`). When every row fits
     its budget all entries are stored with the score the policy gives a decoded key
-    (`new_key_scores`: zero for the attention-based ones); otherwise `policy` scores the keys (SnapKV:
+    (`first_score`: zero for the attention-based ones); otherwise `policy` scores the keys (SnapKV:
     the observation window's attention, pooled), `select_kept` keeps sink + window + the best up to
     each request's budget per KV head, and the kept K/V and scores are scattered into its rows.
     `policy` is the server's; a request with its own is scored by it (`plan.policy_groups`).
@@ -169,8 +169,9 @@ def _keep_all(
         keys = slice(None) if group.mask is None else group.mask[requests]
         mine = _rows(k_all, keys)
         real = mine.to(torch.float32) * k_scale if mine.dtype in FP8_DTYPES else mine
-        first = group.policy.new_key_scores(real, in_sequence[keys])
-        buffers.scores[column.new_score_slots[keys]] = 0.0 if first is None else first
+        buffers.scores[column.new_score_slots[keys]] = kernels.first_scores(
+            group.policy.first_score, real, in_sequence[keys]
+        )
 
 
 def _keep(
@@ -205,7 +206,7 @@ def _keep(
 
 
 def layer_policies(plan: ForwardPlan, policy: ScoringPolicy, sliding_window: int = 0) -> tuple[PolicyGroup, ...]:
-    """The policies of a layer's forward with their requests: in a sliding layer
+    """The policies of a layer's prefill with their requests: in a sliding layer
     `SLIDING_POLICY` for every request; else the plan's, or without any of a request's own the
     server's `policy` for every request (`members` and `mask` None)."""
     if sliding_window:
@@ -261,16 +262,18 @@ def sparse_decode(
     the attention applies when it reads.
 
     `q` is [B, H_q, D], `k`/`v` [B, H_kv, D], `positions` [B] the new tokens' positions in their
-    sequences. The new key's K/V and first score (the policy's `new_key_scores`) are stored in
-    one launch (`write_entries`), and the kernel updates every kept key's score with its
-    attention as the policy says (`score_update`: H2O-style accumulation by default), which the
-    next eviction reads. Every shape here is fixed by the plan (no value is read back), so the
+    sequences. The new key's K/V and first score (the policy's `first_score`) are stored in one
+    launch (`write_entries`), and the kernel updates every kept key's score with its attention as
+    the policy says (`score_update`: H2O-style accumulation by default), which the next eviction
+    reads. Both rules are `policy`'s for every row, or each row's own where the plan has
+    `row_kinds` (some request decodes otherwise than the server's policy, or a captured step):
+    still one launch each. Every shape here is fixed by the plan (no value is read back), so the
     step queues its work without waiting on the device and can be captured in a CUDA graph. A
-    batch whose requests' own policies update scores in different ways runs the kernel once per
-    policy, on its requests. A sliding layer (`sliding_window` W > 0) attends over each row's last
-    W entries, its keys scored by `SLIDING_POLICY`.
+    sliding layer (`sliding_window` W > 0) attends over each row's last W entries, its keys
+    scored by `SLIDING_POLICY`.
     """
-    groups = layer_policies(plan, policy, sliding_window)
+    rows = None if sliding_window else plan.row_kinds
+    rule = SLIDING_POLICY if sliding_window else policy
     kernels.write_entries(
         buffers.k,
         buffers.v,
@@ -279,52 +282,23 @@ def sparse_decode(
         column.new_score_slots,
         k,
         v,
-        _first_scores(groups, k, positions),
+        positions,
+        first_score=rule.first_score,
+        first_kinds=None if rows is None else rows[:, 1],
         k_scale=scales.k,
         v_scale=scales.v,
     )
-    if len({group.policy.score_update for group in groups}) == 1:
-        return _decode(q, column, buffers, sm_scale, groups[0].policy, slice(None), scales, sliding_window)
-    out = torch.empty_like(q)
-    for group in groups:
-        out[group.members] = _decode(q, column, buffers, sm_scale, group.policy, group.members, scales)
-    return out
-
-
-def _first_scores(groups: tuple[PolicyGroup, ...], k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-    """The new keys' first scores [B, H_kv] by each request's policy (None: all zero)."""
-    if len(groups) == 1:
-        return groups[0].policy.new_key_scores(k, positions)
-    scores = torch.zeros(k.shape[:2], dtype=torch.float32, device=k.device)
-    for group in groups:
-        first = group.policy.new_key_scores(k[group.members], positions[group.members])
-        if first is not None:
-            scores[group.members] = first
-    return scores
-
-
-def _decode(
-    q: torch.Tensor,
-    column: ColumnPlan,
-    buffers: LaneBuffers,
-    sm_scale: float,
-    policy: ScoringPolicy,
-    members: slice | torch.Tensor,
-    scales: KVScales,
-    sliding_window: int = 0,
-) -> torch.Tensor:
-    """The decode kernel over the batch's `members` (indices in the batch), updating scores as
-    `policy` says; over each row's last `sliding_window` entries when it is positive."""
     return kernels.decode_attention_with_scores(
-        q[members],
+        q,
         buffers.k,
         buffers.v,
-        column.kv_lens[members],
-        column.kv_indices[members],
+        column.kv_lens,
+        column.kv_indices,
         buffers.scores,
         sm_scale,
-        score_indices=column.score_indices[members],
-        score_update=policy.score_update,
+        score_indices=column.score_indices,
+        score_update=rule.score_update,
+        row_updates=None if rows is None else rows[:, 0],
         k_scale=scales.k,
         v_scale=scales.v,
         window=sliding_window,

@@ -100,17 +100,6 @@ class SparseForward:
         self.graph.fill(prepare_decode(self.state, req_indices, self.device))
         self.plan = self.graph.plan(batch_size)
 
-    def can_replay(self, req_indices: Sequence[int]) -> bool:
-        """Whether a decode step of these requests can replay a captured graph: not when one has
-        a policy of its own that decodes otherwise than the server's (the graph scores as the
-        server's policy does; `ScoringPolicy.decodes_like`); counted."""
-        server = self.state.policy
-        policies = (self.state.requests.policy[req_idx] for req_idx in req_indices)
-        if any(policy is not None and not policy.decodes_like(server) for policy in policies):
-            self.state.counters.add(eager_decode_steps=1)
-            return False
-        return True
-
     # -- the layers ---------------------------------------------------------------------------
     def extend(
         self,

@@ -2,10 +2,12 @@
 
 A policy only scores; which keys survive is decided by the shared selection (protected sink and
 observation window, then the best scores up to the budget: `sglang_kvsparse.kernels.select_kept`).
-It scores in its own units and keeps them while decoding: at prefill `score`; for each decoded
-token `new_key_scores`; on every decode step the attention kernel updates the kept keys' scores
-as `score_update` says (add this step's attention, replace by it, or leave them); before a decode
-eviction ranks a row, `eviction_scores`. So a prompt's keys and the decoded ones compete in the
+It scores in its own units and keeps them while decoding: at prefill `score`; a decoded token's
+key starts with the score `first_score` names; on every decode step the attention kernel updates
+the kept keys' scores as `score_update` says (add this step's attention, replace by it, or leave
+them); before a decode eviction ranks a row, `eviction_scores`. The two decode-time rules are
+kinds the kernels implement, not code, so that one launch (and one captured graph) serves a batch
+whose requests have different policies. So a prompt's keys and the decoded ones compete in the
 same units. Keeping policies this small lets them be swapped by name and tested against each
 other on the same inputs.
 
@@ -22,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from sglang_kvsparse.kernels import ScoreUpdate, window_scores
+from sglang_kvsparse.kernels import FIRST_SCORES, SCORE_UPDATES, FirstScore, ScoreUpdate, window_scores
 
 
 @dataclass(frozen=True)
@@ -75,25 +77,25 @@ class ScoringPolicy(ABC):
     #: query heads of its KV head): "add" it to the score, "replace" the score by it, or "none".
     score_update: ClassVar[ScoreUpdate] = "add"
 
+    #: The score a decoded token's key starts with, before its step's attention updates it
+    #: (`kernels.first_scores`): "zero" (its own attention then gives it its first score), minus
+    #: its norm, its position, or a hash of its position.
+    first_score: ClassVar[FirstScore] = "zero"
+
     @abstractmethod
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
         """[total_kv, H_kv] float32 scores aligned with ``inputs.kv_indices``."""
 
-    def new_key_scores(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """The score a decoded token's key starts with, before its step's attention updates it:
-        [B, H_kv] float32 for keys `k` [B, H_kv, D] at sequence `positions` [B], or None for zero
-        (the default: its own attention then gives it its first score; no tensor to launch)."""
-        return None
-
     def decodes_like(self, other: ScoringPolicy) -> bool:
         """Whether a decode step treats this policy's keys as `other`'s: the same score update and
-        the same scores for a new key (both the default, or the same policy and knobs). Then one
-        decode step, a captured one included, serves requests of both; only their evictions rank
-        by each policy's own `eviction_scores`, and those run before the step."""
-        if self.score_update != other.score_update:
-            return False
-        default = ScoringPolicy.new_key_scores
-        return (type(self).new_key_scores is default and type(other).new_key_scores is default) or self == other
+        the same first score. Then the step needs no per-request rules for them (their evictions
+        rank by each policy's own `eviction_scores`, and those run before the step)."""
+        return self.score_update == other.score_update and self.first_score == other.first_score
+
+    def decode_rule(self) -> tuple[int, int]:
+        """(`score_update`, `first_score`) as the kernels' indices (`SCORE_UPDATES`, `FIRST_SCORES`):
+        a row of a decode plan's `row_kinds`."""
+        return SCORE_UPDATES.index(self.score_update), FIRST_SCORES.index(self.first_score)
 
     def eviction_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """What a decode eviction ranks, from the stored scores [R, n, H_kv] of R requests' n

@@ -6,12 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_kvsparse.kernels import minus_key_norm
 from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
-
-
-def minus_key_norm(keys: torch.Tensor) -> torch.Tensor:
-    """-||k|| per key and KV head, in float32: [..., H_kv, D] -> [..., H_kv]."""
-    return -torch.linalg.vector_norm(keys.float(), dim=-1)
 
 
 @dataclass(frozen=True)
@@ -24,9 +20,7 @@ class KeyNormPolicy(ScoringPolicy):
 
     name = "keynorm"
     score_update = "none"
+    first_score = "minus_key_norm"
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
         return minus_key_norm(inputs.k_buf[inputs.kv_indices.long()]) * inputs.k_scale
-
-    def new_key_scores(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return minus_key_norm(k)

@@ -21,12 +21,10 @@ class StreamingLLMPolicy(ScoringPolicy):
 
     name = "streamingllm"
     score_update = "none"
+    first_score = "position"
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
         total = inputs.kv_indices.numel()
         heads = inputs.k_buf.shape[1]
         position = positions_in_segment(inputs.kv_indptr, total).to(torch.float32)
         return position[:, None].expand(total, heads).contiguous()
-
-    def new_key_scores(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return positions.to(torch.float32)[:, None].expand(k.shape[:2]).contiguous()

@@ -190,7 +190,7 @@ REFUSED_ENVIRONMENT: dict[str, str] = {
 
 #: CUDA-graph backends a sparse server runs, per phase (unset: SGLang's default for the phase,
 #: which the launcher sets for prefills on a GPU): decode graphs replay in full or not at all
-#: (`forward/decode_graph.py`), prefills select with data-dependent shapes and run eagerly.
+#: (`forward/decode_graph.py`), prefills run eagerly (`options.GPU_SPARSE_OPTIONS` says why).
 GRAPH_BACKENDS: dict[str, tuple[str, ...]] = {"decode": ("full", "disabled"), "prefill": ("disabled",)}
 
 

@@ -25,9 +25,10 @@ CONFIG_ENV = "SGLANG_KVSPARSE_CONFIG"
 #: --mem-fraction-static for a sparse server on the CPU (see `sparse_sglang_defaults`).
 CPU_SPARSE_MEM_FRACTION = 0.8
 
-#: SGLang options a sparse server needs on a GPU: a sparse prefill selects with data-dependent
-#: shapes, so prefills run eagerly; decode steps replay SGLang's full CUDA graphs
-#: (`patches/attention.py`, `decode_graph.py`).
+#: SGLang options a sparse server needs on a GPU: prefills run eagerly (SGLang's breakable prefill
+#: graph captures its segments by running every layer's attention on a dummy batch of requests
+#: the sparse state never admitted; `docs/experiments/2026-12-06-graph-policies.md`); decode
+#: steps replay SGLang's full CUDA graphs (`patches/attention.py`, `decode_graph.py`).
 GPU_SPARSE_OPTIONS: dict[str, object] = {"cuda_graph_backend_prefill": "disabled"}
 
 #: Decode CUDA-graph backends the sparse layers serve; another given one is replaced by the first.

@@ -93,8 +93,6 @@ class SparseStats:
     decode_refills: int
     heap_refills: int
     release_waits: int
-    #: Decode steps run eagerly where a captured graph could not serve them.
-    eager_decode_steps: int
     #: The work requests' own settings cost, within `max_distinct_settings`: admission rounds a
     #: request sat out for a setting one too many, the most scoring passes of one prefill and the
     #: most evictions of one decode step (peaks: with several replicas, the first one's).
@@ -178,7 +176,6 @@ def collect(state: SparseState, heap_free_rows: int) -> SparseStats:
         decode_refills=state.counters.decode_refills,
         heap_refills=state.heap.refills,
         release_waits=state.counters.release_waits,
-        eager_decode_steps=state.counters.eager_decode_steps,
         setting_waits=state.counters.setting_waits,
         scoring_passes_peak=state.counters.scoring_passes_peak,
         evictions_per_step_peak=state.counters.evictions_per_step_peak,
@@ -205,7 +202,6 @@ _REQUEST_COUNTS = (
     "decode_refills",
     "heap_refills",
     "release_waits",
-    "eager_decode_steps",
     "setting_waits",
     "guide_waits",
     "prefill_sentence_ends",

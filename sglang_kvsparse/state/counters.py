@@ -21,9 +21,6 @@ class Counters:
     #: Device values the sparse path read back (each a host wait on a GPU): request indices SGLang
     #: gave a forward no host copy of.
     host_syncs: int = 0
-    #: Decode steps that ran eagerly where a captured graph could not serve them (a request
-    #: with a policy of its own that decodes otherwise than the server's).
-    eager_decode_steps: int = 0
     #: Copies of SGLang's free ids to the host made while allocating a decode step (the host
     #: free list ran short of the running requests' reserve: memory pressure).
     decode_refills: int = 0

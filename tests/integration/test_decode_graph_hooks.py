@@ -8,7 +8,8 @@ With no GPU nothing can be captured, so "capture" records what the sparse layers
 op, its shapes, and which tensors that existed before it ran it reads or writes), and every
 "replay" runs the layers again on the same fixed inputs: it must dispatch the same sequence on the
 same tensors, which is what a real replay re-runs, and its outputs must equal the eager decode of
-a twin state, step for step, while requests join, evict and finish; every heap row comes back.
+a twin state, step for step, while requests of different scoring policies join, evict and finish;
+every heap row comes back.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from sglang_kvsparse.policies import SnapKVPolicy, TOVAPolicy
+from sglang_kvsparse.config.request_sparsity import SERVER_SETTING, RequestSparsity
+from sglang_kvsparse.policies import POLICIES
 from tests.unit.heap import H_KV, D, grow, make_state, prefill_alone
 
 pytestmark = pytest.mark.integration
@@ -28,7 +30,7 @@ pytestmark = pytest.mark.integration
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
-from sglang_kvsparse.patches.attention import KVSparseBackend, graph_can_run, graph_execute  # noqa: E402
+from sglang_kvsparse.patches.attention import KVSparseBackend, graph_execute  # noqa: E402
 
 G = 2  # query heads per KV head
 CAPTURED = (2, 4, 8)  # batch sizes captured, as SGLang's --cuda-graph-bs
@@ -109,7 +111,7 @@ def test_replays_dispatch_what_was_captured_and_match_eager_decoding_with_evicti
     static = {bs: [torch.zeros(bs, h, D) for h in (H_KV * G, H_KV, H_KV)] for bs in CAPTURED}
     positions = {bs: torch.zeros(bs, dtype=torch.int64) for bs in CAPTURED}
     known = [lane.k for lane in graph_state.lanes] + [lane.v for lane in graph_state.lanes]
-    known += [t for tables in buffers.tables for t in vars(tables).values()]
+    known += [t for tables in buffers.tables for t in vars(tables).values()] + [buffers.row_kinds]
     known += [t for bs in CAPTURED for t in (*static[bs], positions[bs])]
     captured = {}
     for bs in CAPTURED:
@@ -124,7 +126,10 @@ def test_replays_dispatch_what_was_captured_and_match_eager_decoding_with_evicti
     gen = torch.Generator().manual_seed(11)
     lengths: dict[int, int] = {}
     final: dict[int, int] = {}
-    steps = evicting = 0
+    steps = evicting = mixed = 0
+    # Each joining request's setting: the server's or a policy of its own (every way of updating
+    # scores and of scoring a new key among them).
+    settings = [SERVER_SETTING] + [RequestSparsity(policy=POLICIES[name]()) for name in ("tova", "keynorm", "random")]
     for step in range(420):
         free_rows = [row for row in range(1, 9) if row not in lengths]
         if free_rows and len(lengths) < 7 and step % 5 == 0:  # a request joins, prefilled alone
@@ -132,8 +137,9 @@ def test_replays_dispatch_what_was_captured_and_match_eager_decoding_with_evicti
             prompt = int(torch.randint(3, 30, (1,), generator=gen))
             final[row] = prompt + int(torch.randint(10, 70, (1,), generator=gen))
             q, k, v = (torch.randn(prompt, h, D, generator=gen) for h in (H_KV * G, H_KV, H_KV))
+            setting = settings[int(torch.randint(len(settings), (1,), generator=gen))]
             for state in (eager_state, graph_state):
-                prefill_alone(state, row, final[row], q, k, v)
+                prefill_alone(state, row, final[row], q, k, v, setting)
             lengths[row] = prompt
             continue
         rows = sorted(lengths)
@@ -155,12 +161,12 @@ def test_replays_dispatch_what_was_captured_and_match_eager_decoding_with_evicti
 
         eager.init_forward_metadata(batch)
         evicting += bool(eager.sparse.plan.evictions)
+        mixed += eager.sparse.plan.row_kinds is not None
         want = decode(eager, batch, q, k, v)
         eager_state.finish_forward()
 
         bs = next(size for size in CAPTURED if size >= raw)  # the runner pads to a captured size
         runner = SimpleNamespace(attn_backend=graph)
-        assert graph_can_run(lambda runner, fb: True, runner, batch)
         for buffer, given in zip((*static[bs], positions[bs]), (q, k, v, where)):
             buffer.zero_()
             buffer[:raw].copy_(given)
@@ -185,23 +191,7 @@ def test_replays_dispatch_what_was_captured_and_match_eager_decoding_with_evicti
                 for state in (eager_state, graph_state):
                     state.free(row)
                 del lengths[row]
-    assert steps > 300 and evicting > 40
+    assert steps > 300 and evicting > 40 and mixed > 100
     for row in list(lengths):
         graph_state.free(row)
     assert graph_heap.free_rows() == free_before
-
-
-def test_a_request_whose_own_policy_decodes_otherwise_decodes_eagerly():
-    """SnapKV with other knobs decodes as the server's SnapKV (its pooling acts at prefill): the
-    step replays. TOVA replaces scores each step: the step runs eagerly, counted."""
-    (state, _), _ = twin_states()
-    backend = KVSparseBackend(StockBackend(), state)
-    runner = SimpleNamespace(attn_backend=backend)
-    batch = SimpleNamespace(req_pool_indices_cpu=torch.tensor([1, 2]))
-    assert graph_can_run(lambda runner, fb: True, runner, batch)
-    assert not graph_can_run(lambda runner, fb: False, runner, batch)  # SGLang's own no stands
-    state.requests.policy[2] = SnapKVPolicy(pool_kernel=3)
-    assert graph_can_run(lambda runner, fb: True, runner, batch)
-    state.requests.policy[2] = TOVAPolicy()
-    assert not graph_can_run(lambda runner, fb: True, runner, batch)
-    assert state.counters.eager_decode_steps == 1

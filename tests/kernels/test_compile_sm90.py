@@ -56,7 +56,7 @@ def launch(case):
     else:
         cc._launch(case)
 
-results = cc.check(90, [cc.Case("bad", 8, "bfloat16"), cc.Case("write", 128, "bfloat16")], print, launch)
+results = cc.check(90, [cc.Case("bad", 8, "bfloat16"), cc.Case("write", 128, "bfloat16", 1, "zero")], print, launch)
 print("RESULT", [(r.case.family, r.ok) for r in results], results[0].error[:200].replace(chr(10), " "))
 """
     bench = Path(compile_check.__file__).parent

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from sglang_kvsparse.kernels import DecodeConfig, decode_attention_with_scores
+from sglang_kvsparse.kernels import SCORE_UPDATES, DecodeConfig, decode_attention_with_scores
 from sglang_kvsparse.kernels.decode_attention import decode_splits
 from sglang_kvsparse.kernels.testing import as_table, decode_queries, kv_lens_of, make_ragged_batch, rel_error
 
@@ -159,6 +159,48 @@ def test_decode_score_updates_other_than_add(score_update, device):
         )
         assert rel_error(score_buf, expected) <= SCORE_REL[torch.float32], backend
         assert rel_error(o, o_add) <= OUT_REL[torch.float32], backend
+
+
+def test_each_request_updates_its_scores_by_its_own_rule(device):
+    """`row_updates` (a strided column, as a plan's `row_kinds[:, 0]`): each request's scores
+    end as a launch with its own `score_update` leaves them, in one launch, and the outputs are
+    unchanged."""
+    batch = make_ragged_batch([0] * len(KV_LENS), KV_LENS, 2, 3, 64, torch.float32, device, seed=5)
+    q = decode_queries(batch)
+    lens, table = kv_lens_of(batch), as_table(batch)
+    init = torch.rand(batch.k_buf.shape[:2], generator=torch.Generator().manual_seed(8)).to(device)
+    rules = [i % len(SCORE_UPDATES) for i in range(len(KV_LENS))]
+    expected, o_want = init.clone(), None
+    for update in SCORE_UPDATES:  # each request's keys are its own: one launch per rule composes
+        scratch = init.clone()
+        o_want = decode_attention_with_scores(
+            q, batch.k_buf, batch.v_buf, lens, table, scratch, batch.sm_scale, score_update=update, backend="torch"
+        )
+        for request, rule in enumerate(rules):
+            if SCORE_UPDATES[rule] == update:
+                keys = batch.kv_indices[int(batch.kv_indptr[request]) : int(batch.kv_indptr[request + 1])].long()
+                expected[keys] = scratch[keys]
+    column = torch.tensor([[r, 0] for r in rules], dtype=torch.int32, device=device)[:, 0]
+    for backend in ("triton", "torch"):
+        score_buf = init.clone()
+        o = decode_attention_with_scores(
+            q,
+            batch.k_buf,
+            batch.v_buf,
+            lens,
+            table,
+            score_buf,
+            batch.sm_scale,
+            row_updates=column,
+            num_kv_splits=3,
+            backend=backend,
+        )
+        assert rel_error(score_buf, expected) <= SCORE_REL[torch.float32], backend
+        assert rel_error(o, o_want) <= OUT_REL[torch.float32], backend
+    with pytest.raises(ValueError, match="row_updates must be"):
+        decode_attention_with_scores(
+            q, batch.k_buf, batch.v_buf, lens, table, init.clone(), batch.sm_scale, row_updates=column[:1]
+        )
 
 
 def test_decode_rejects_mismatched_shapes():

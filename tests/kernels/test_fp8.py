@@ -16,6 +16,7 @@ from sglang_kvsparse.kernels import (
     decode_attention_with_scores,
     evict_rows,
     extend_attention_with_stats,
+    minus_key_norm,
     window_scores,
     write_entries,
 )
@@ -156,9 +157,21 @@ def test_writes_quantize_as_the_pool_does_and_evictions_move_fp8_bytes(fmt, scal
         k_buf, v_buf = torch.zeros(40, 2, 64, dtype=fmt), torch.zeros(40, 2, 64, dtype=fmt)
         score_buf = torch.zeros(40, 2)
         write_entries(
-            k_buf, v_buf, score_buf, slots, slots, *new, backend=backend, k_scale=scales[0], v_scale=scales[1]
+            k_buf,
+            v_buf,
+            score_buf,
+            slots,
+            slots,
+            *new,
+            slots,
+            first_score="minus_key_norm",
+            backend=backend,
+            k_scale=scales[0],
+            v_scale=scales[1],
         )
         bufs[backend] = (k_buf, v_buf)
+        # A key's first score is the real key's, not the stored one's.
+        torch.testing.assert_close(score_buf[slots], minus_key_norm(new[0]), rtol=1e-5, atol=0)
     for mine, theirs in zip(bufs["triton"], bufs["torch"]):
         assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))  # bit for bit
     k_buf, v_buf = bufs["torch"]

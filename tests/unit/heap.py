@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from sglang_kvsparse.config import SparsityConfig
+from sglang_kvsparse.config.request_sparsity import RequestSparsity
 from sglang_kvsparse.forward.eviction import evict_planned
 from sglang_kvsparse.forward.planning import plan_decode, plan_extend
 from sglang_kvsparse.forward.plans import ForwardPlan
@@ -162,11 +163,13 @@ def assert_device_tables_mirror_the_host(state):
             assert torch.equal(group.device_scores[req_idx].long(), group.score_table[req_idx]), req_idx
 
 
-def prefill_alone(state: SparseState, req_idx: int, final: int, q, k, v) -> None:
+def prefill_alone(
+    state: SparseState, req_idx: int, final: int, q, k, v, setting: RequestSparsity | None = None
+) -> None:
     """A request of final length `final` joins in `req_idx`: its prompt (q/k/v [prompt, H, D])
-    prefilled in a batch of its own, through every sparse layer."""
+    prefilled in a batch of its own, through every sparse layer; `setting`: its own."""
     prompt = k.shape[0]
-    state.expect([req_idx], [final])
+    state.expect([req_idx], [final], settings=None if setting is None else [setting])
     grow(state, [req_idx], [prompt])
     plan = plan_extend(state, [req_idx], [0], [prompt], device=state.lanes[0].k.device)
     for place in state.layout.layer_places.values():
@@ -238,12 +241,14 @@ def decode_lifecycle(
     steps: int,
     decode: DecodeStep = eager_step,
     seed: int = 5,
+    settings: tuple[RequestSparsity, ...] = (),
 ):
     """A seeded lifecycle: requests join (prefilled alone), decode together, evict and finish,
-    on a state of up to 7 requests (indices 1..7). Each decode step (after SGLang's allocation)
-    goes to `decode`, which plans it, runs its evictions and its sparse layers. Returns (each
-    decode step's outputs on the host, steps with an eviction). Inputs come from a seeded
-    generator, in the lanes' head dim and dtype: two runs see the same."""
+    on a state of up to 7 requests (indices 1..7); with `settings`, each joins with one of them,
+    drawn. Each decode step (after SGLang's allocation) goes to `decode`, which plans it, runs its
+    evictions and its sparse layers. Returns (each decode step's outputs on the host, steps with
+    an eviction). Inputs come from a seeded generator, in the lanes' head dim and dtype: two runs
+    see the same."""
     lane = state.lanes[0].k
     device, head_dim = lane.device, lane.shape[2]
     gen = torch.Generator().manual_seed(seed)
@@ -260,7 +265,8 @@ def decode_lifecycle(
             req_idx = free[0]
             prompt = int(torch.randint(2, 30, (1,), generator=gen))
             final[req_idx] = prompt + int(torch.randint(5, 80, (1,), generator=gen))
-            prefill_alone(state, req_idx, final[req_idx], *inputs(prompt))
+            setting = settings[int(torch.randint(len(settings), (1,), generator=gen))] if settings else None
+            prefill_alone(state, req_idx, final[req_idx], *inputs(prompt), setting)
             lengths[req_idx] = prompt
             continue
         req_indices = sorted(lengths)

@@ -5,15 +5,18 @@ SGLang's graph runner drives the backend, the buffers and their plan are made on
 (`init_graph`, `begin_capture`) and every step only plans its requests into them
 (`begin_replay`). Over hundreds of steps in which
 requests join, evict and finish, its outputs and the lanes' K/V and scores must be the eager
-path's. The captured batch is wider than the running one, so padded rows are exercised too.
+path's, whether the requests score by the server's policy or some by their own. The captured
+batch is wider than the running one, so padded rows are exercised too.
 (`bench/gpu_check.py` replays the same step from a real CUDA graph.)
 """
 
 import pytest
 import torch
 
+from sglang_kvsparse.config.request_sparsity import SERVER_SETTING, RequestSparsity
 from sglang_kvsparse.forward.decode_graph import DecodeBuffers
 from sglang_kvsparse.forward.planning import plan_decode, plan_extend
+from sglang_kvsparse.policies import POLICIES
 
 from .heap import ReplayStep, assert_device_tables_mirror_the_host, decode_lifecycle, grow, make_state
 
@@ -36,11 +39,21 @@ def replay_checked(state) -> ReplayStep:
     return Checked(state, GRAPH_BS)
 
 
-def test_graph_replay_matches_eager_over_hundreds_of_steps_with_evictions():
+#: Requests of the server's policy only; or each of it or of a policy of its own that decodes
+#: otherwise (TOVA replaces scores; KeyNorm and random leave them and score a new key their way).
+SETTINGS = {
+    "server": (),
+    "own policies": (SERVER_SETTING, *(RequestSparsity(policy=POLICIES[n]()) for n in ("tova", "keynorm", "random"))),
+}
+
+
+@pytest.mark.parametrize("requests", SETTINGS)
+def test_graph_replay_matches_eager_over_hundreds_of_steps_with_evictions(requests):
+    settings = SETTINGS[requests]
     eager_state, _ = lifecycle_state()
-    eager, evicting = decode_lifecycle(eager_state, 400)
+    eager, evicting = decode_lifecycle(eager_state, 400, settings=settings)
     replay_state, _ = lifecycle_state()
-    replay, _ = decode_lifecycle(replay_state, 400, replay_checked(replay_state))
+    replay, _ = decode_lifecycle(replay_state, 400, replay_checked(replay_state), settings=settings)
     assert len(eager) > 300 and evicting > 30
     for step, (a, b) in enumerate(zip(eager, replay)):
         assert torch.allclose(a, b, atol=1e-6), step

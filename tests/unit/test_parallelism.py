@@ -45,7 +45,7 @@ def _rank(requests: int, free: int, kv_bytes: int) -> dict:
         **{name: requests for name in ("store_entries_adopted", "requests_running", "requests_running_peak")},
         "forward_plans": 10,
         "evictions": requests,
-        **{name: 0 for name in ("host_syncs", "decode_refills", "release_waits", "eager_decode_steps")},
+        **{name: 0 for name in ("host_syncs", "decode_refills", "release_waits")},
         "setting_waits": 0,
         "guide_waits": requests,
         "heap_refills": requests,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sglang_kvsparse.config import parse_config
-from sglang_kvsparse.kernels import extend_attention_with_stats, select_kept
+from sglang_kvsparse.kernels import FIRST_SCORES, SCORE_UPDATES, extend_attention_with_stats, first_scores, select_kept
 from sglang_kvsparse.kernels.testing import make_ragged_batch
 from sglang_kvsparse.policies import POLICIES, PrefillScoringInputs, SnapKVPolicy
 
@@ -139,7 +139,7 @@ def test_random_keeps_a_spread_choice_per_head_and_scores_a_decoded_key_as_a_pro
     positions = torch.arange(KV_LENS[1])
     k = torch.zeros(KV_LENS[1], 3, 64)
     request = scores[int(inputs.kv_indptr[1]) : int(inputs.kv_indptr[2])]
-    assert torch.equal(policy.new_key_scores(k, positions), request)
+    assert torch.equal(first_scores(policy.first_score, k, positions), request)
 
 
 def test_keynorm_prefers_small_keys():
@@ -168,8 +168,8 @@ def test_span_raises_every_requests_keys_to_their_sentences_best_where_the_ends_
 
 
 #: The policies whose decode steps are alike (each step's attention added, no first score for a
-#: new key): one step, a captured one included, serves requests of any of them. TOVA replaces
-#: scores; KeyNorm and StreamingLLM leave them and score a new key each its own way.
+#: new key). TOVA replaces scores; KeyNorm, StreamingLLM and random leave them and score a new key
+#: each its own way.
 ADDING = {"h2o", "snapkv", "span"}
 
 
@@ -177,10 +177,10 @@ ADDING = {"h2o", "snapkv", "span"}
 def test_policies_decode_alike_only_when_their_decode_steps_are_the_same(name):
     policy = POLICIES[name]()
     assert policy.decodes_like(policy)
+    assert policy.decode_rule() == (SCORE_UPDATES.index(policy.score_update), FIRST_SCORES.index(policy.first_score))
     for other_name, other_cls in POLICIES.items():
         other = other_cls()
         alike = (name in ADDING and other_name in ADDING) or name == other_name
         assert policy.decodes_like(other) is alike, other_name
         assert other.decodes_like(policy) is alike
-        if alike:
-            assert policy.score_update == other.score_update
+        assert (policy.decode_rule() == other.decode_rule()) is alike

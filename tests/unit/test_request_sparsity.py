@@ -20,7 +20,6 @@ from sglang_kvsparse.forward.decode_graph import DecodeBuffers
 from sglang_kvsparse.forward.eviction import evict_planned
 from sglang_kvsparse.forward.planning import plan_decode, plan_extend
 from sglang_kvsparse.forward.sparse_attention import sparse_decode, sparse_extend
-from sglang_kvsparse.forward.sparse_forward import SparseForward
 from sglang_kvsparse.policies import POLICIES, SnapKVPolicy, SpanPolicy
 from sglang_kvsparse.server.stats import collect
 from sglang_kvsparse.state.admission import request_rows_to_hold
@@ -306,22 +305,26 @@ def kept(state, req_idx):
 
 @pytest.mark.parametrize("server_policy", ["snapkv", "tova"])
 def test_a_request_with_its_own_policy_keeps_what_a_server_of_that_policy_keeps(server_policy):
-    """Three requests, the server's policy and two of their own (score updates that differ: TOVA
-    replaces, StreamingLLM leaves, SnapKV and H2O add; `LowestFirst` ranks an eviction its own
-    way), prefilled past their budget and decoded past an eviction in one batch: each keeps the
-    K and the scores it keeps alone on a server whose policy is its own."""
+    """Four requests, the server's policy and three of their own (score updates that differ: TOVA
+    replaces, StreamingLLM, KeyNorm and random leave, SnapKV and H2O add; first scores that differ:
+    zero, a position, a key norm, a position's hash; `LowestFirst` ranks an eviction its own way),
+    prefilled past their budget and decoded past an eviction in one batch: each keeps the K and
+    the scores it keeps alone on a server whose policy is its own."""
     torch.manual_seed(3)
     other = POLICIES["streamingllm"]() if server_policy == "snapkv" else POLICIES["h2o"]()
-    own = [None, other, LowestFirst(pool_kernel=1)]
+    fourth = POLICIES["random"]() if server_policy == "snapkv" else POLICIES["keynorm"]()
+    own = [None, other, LowestFirst(pool_kernel=1), fourth]
     server = SnapKVPolicy(pool_kernel=1) if server_policy == "snapkv" else POLICIES["tova"]()
-    prompts = [(torch.randn(n, H_KV * G, D), torch.randn(n, H_KV, D), torch.randn(n, H_KV, D)) for n in (20, 26, 22)]
+    lengths = (20, 26, 22, 24)
+    prompts = [(torch.randn(n, H_KV * G, D), torch.randn(n, H_KV, D), torch.randn(n, H_KV, D)) for n in lengths]
     steps = [(torch.randn(20, H_KV * G, D), torch.randn(20, H_KV, D), torch.randn(20, H_KV, D)) for _ in prompts]
     options = dict(context=64, budget=8, window=2, evict_page=16, rows=512)
     mixed, _ = make_state(policy=server, **options)
     settings = [RequestSparsity(policy=policy) for policy in own]
-    run_requests(mixed, [1, 2, 3], settings, prompts, steps)
-    assert sum(collect(mixed, 0).requests_by_setting.values()) == 3
-    for req_idx, policy, prompt, step in zip([1, 2, 3], own, prompts, steps):
+    requests = [1, 2, 3, 4]
+    run_requests(mixed, requests, settings, prompts, steps)
+    assert sum(collect(mixed, 0).requests_by_setting.values()) == 4
+    for req_idx, policy, prompt, step in zip(requests, own, prompts, steps):
         alone, _ = make_state(policy=policy or server, **options)
         run_requests(alone, [1], [SERVER_SETTING], [prompt], [step])
         assert mixed.groups[0].table.count(req_idx) == alone.groups[0].table.count(1) == 8 + 20 - 16  # evicted once
@@ -330,24 +333,26 @@ def test_a_request_with_its_own_policy_keeps_what_a_server_of_that_policy_keeps(
             torch.testing.assert_close(s_mixed, s_alone, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(("own", "replays"), [("h2o", True), ("tova", False)])
-def test_a_captured_decode_step_takes_a_request_whose_policy_decodes_like_the_servers(own, replays):
+@pytest.mark.parametrize("own", ["h2o", "tova", "keynorm"])
+def test_a_captured_decode_step_takes_a_request_of_any_policy(own):
     """H2O beside the server's SnapKV decodes alike (both add each step's attention, no first score
-    for a new key): the step replays its captured graph with that request in it, its eviction
-    ranked by H2O before the step. TOVA replaces scores: the buffers refuse it and the step runs
-    eagerly, counted."""
+    for a new key): the plan has no row kinds. TOVA replaces scores and KeyNorm leaves them and
+    scores a new key by its norm: the plan gives each row its rule, which the buffers a captured
+    step reads take; rows past the batch decode by the server's rule."""
     state, _ = make_state(context=64, budget=8, window=2, rows=512)
-    state.expect([1, 2], [30, 30], [10, 10], [SERVER_SETTING, RequestSparsity(policy=POLICIES[own]())])
+    policy = POLICIES[own]()
+    state.expect([1, 2], [30, 30], [10, 10], [SERVER_SETTING, RequestSparsity(policy=policy)])
     grow(state, [1, 2], [10, 10])
     plan_extend(state, [1, 2], [0, 0], [10, 10])
     grow(state, [1, 2], [11, 11])
-    forward = SparseForward(state)
-    assert forward.can_replay([1, 2]) is replays
-    assert state.counters.eager_decode_steps == (0 if replays else 1)
     plan = plan_decode(state, [1, 2])
-    if replays:
-        assert plan.policy_groups == ()
-        DecodeBuffers(state, 4, "cpu").fill(plan)
+    server = list(state.policy.decode_rule())
+    mine = list(policy.decode_rule())
+    if own == "h2o":
+        assert plan.row_kinds is None and mine == server
     else:
-        with pytest.raises(ValueError, match="a captured decode step scores with the server's policy"):
-            DecodeBuffers(state, 4, "cpu").fill(plan)
+        assert plan.row_kinds.tolist() == [server, mine]
+    buffers = DecodeBuffers(state, 4, "cpu")
+    buffers.fill(plan)
+    assert buffers.row_kinds.tolist() == [server, mine, server, server]
+    assert buffers.plan(2).row_kinds.tolist() == [server, mine]
