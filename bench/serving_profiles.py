@@ -213,6 +213,27 @@ PROFILES: dict[str, Profile] = {
     )
 }
 
+
+def _gpu_long_out(output_len: int) -> Profile:
+    """Long outputs on a GPU with SGLang (the CPU's context and speed cannot serve them): 1,000 in /
+    `output_len` out at concurrency 8-64, the default preset against stock, the pool of gpu-novita."""
+    name = f"gpu-long-out-{output_len // 1000}k"
+    return dataclasses.replace(
+        PROFILES["gpu-novita"],
+        name=name,
+        description=f"Llama-3.1-8B shape with dummy weights on one GPU, 1,000 in / {output_len:,} out, "
+        "concurrency 8 to 64; the default preset (layer 0 full, 1,024 entries in the others) against stock. "
+        f"KV pool capped at 65,536 tokens: {65536 // (1000 + output_len)} dense requests at their final length.",
+        input_len=1000,
+        output_len=output_len,
+        concurrencies=(8, 16, 32, 64),
+        variants=(Variant("default", PROJECT_DEFAULT),),
+        client_timeout_s=3600.0,
+    )
+
+
+PROFILES.update({profile.name: profile for profile in (_gpu_long_out(4000), _gpu_long_out(8000))})
+
 #: The serving step of `bench/gpu_check.py`: gpu-novita cut to fit one lent-GPU run.
 PROFILES["gpu-check-serving"] = dataclasses.replace(
     PROFILES["gpu-novita"],

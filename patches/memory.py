@@ -33,7 +33,7 @@ from sglang_kvsparse.server.accounting import footprint_table, format_footprint_
 from sglang_kvsparse.server.backends import BACKEND_OPTIONS, WRAPPED_BACKENDS
 from sglang_kvsparse.server.model_support import resolve_for_model, unsupported_features
 from sglang_kvsparse.server.option_support import checked_values, option_problems
-from sglang_kvsparse.server.stats import describe_tables
+from sglang_kvsparse.server.stats import describe_tables, table_warning
 from sglang_kvsparse.state.layout import HeapLayout, heap_rows, scores_per_row
 from sglang_kvsparse.state.sparse_group import LaneBuffers
 from sglang_kvsparse.state.sparse_state import SparseState
@@ -152,6 +152,9 @@ def make_attach_state(config: SparsityConfig):
         context.install(state)
         log_layout(config, state.layout, lanes[0], rows, resolved.context_len)
         print(f"[sglang-kvsparse] {describe_tables(state)}", file=sys.stderr, flush=True)
+        warning = table_warning(state)
+        if warning is not None:
+            print(f"[sglang-kvsparse] {warning}", file=sys.stderr, flush=True)
 
     return attach_state
 

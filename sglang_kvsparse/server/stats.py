@@ -237,6 +237,29 @@ def describe_tables(state: SparseState) -> str:
     )
 
 
+#: Entry tables on the device above this share of the heap's K/V bytes draw a start-up warning:
+#: they are sized running requests x the widest budget a request may ask for, and take device
+#: memory SGLang's pool sizing did not count.
+TABLE_WARNING_SHARE = 0.05
+
+
+def table_warning(state: SparseState) -> str | None:
+    """A start-up warning when the entry tables are large beside the heap (`TABLE_WARNING_SHARE`),
+    naming what sizes them; None otherwise."""
+    heap = sum(lane.k.nbytes + lane.v.nbytes for lane in state.lanes)
+    host = sum(g.table.table.nbytes + g.score_table.nbytes for g in state.groups)
+    device = sum(g.device_table.nbytes + g.device_scores.nbytes for g in state.groups)
+    if device <= TABLE_WARNING_SHARE * heap:
+        return None
+    widths = ", ".join(str(g.table.max_entries) for g in state.groups)
+    return (
+        f"warning: the entry tables take {device / 2**20:.0f} MiB of device memory ({device / heap:.0%} of the "
+        f"heap's K/V bytes) and {host / 2**20:.0f} MiB on the host: {state.requests.size} request slots "
+        f"(--max-running-requests) x {widths} entries (--kvsparse-max-request-budget and the evict page); "
+        "lower either to shrink them"
+    )
+
+
 def _add(total: Any, part: Any, path: tuple[str, ...]) -> None:
     """Add `part`'s value at `path` into `total` (same structure), through lists element-wise."""
     head, rest = path[0], path[1:]

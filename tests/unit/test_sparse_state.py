@@ -13,7 +13,7 @@ from sglang_kvsparse.forward.planning import plan_decode, plan_extend
 from sglang_kvsparse.forward.sparse_attention import KVScales, sparse_decode, sparse_extend
 from sglang_kvsparse.kernels.common import quantize
 from sglang_kvsparse.policies import PrefillScoringInputs
-from sglang_kvsparse.server.stats import collect
+from sglang_kvsparse.server.stats import collect, table_warning
 from sglang_kvsparse.state.entry_table import HeapError, HeapExhausted
 from sglang_kvsparse.state.requests import Phase
 
@@ -474,3 +474,13 @@ def test_rows_are_conserved_across_every_owner_under_random_lifecycles(ops):
         heap.cached.extend(ts)
     heap.evict_cache(heap.rows)
     assert heap.free_rows() == heap.rows
+
+
+def test_entry_tables_large_beside_the_heap_draw_a_warning_naming_what_sizes_them():
+    """The tables grow with request slots x the widest budget a request may ask for: 64 slots of
+    5,136 entries beside a 2,048-row heap warn; 8 slots of the default width do not."""
+    small, _ = make_state(rows=2048, max_requests=8, context=8192, budget=64)
+    assert table_warning(small) is None
+    large, _ = make_state(rows=2048, max_requests=64, context=8192, budget=64, max_request_budget=5120)
+    warning = table_warning(large)
+    assert warning is not None and "64 request slots (--max-running-requests) x 5136 entries" in warning
