@@ -238,9 +238,9 @@ def describe_tables(state: SparseState) -> str:
 
 
 #: Entry tables on the device above this share of the heap's K/V bytes draw a start-up warning:
-#: they are sized running requests x the widest budget a request may ask for, and take device
-#: memory SGLang's pool sizing did not count.
-TABLE_WARNING_SHARE = 0.05
+#: they are sized request slots x the widest budget a request may ask for, and take device memory
+#: SGLang's pool sizing did not count.
+TABLE_WARNING_SHARE = 0.5
 
 
 def table_warning(state: SparseState) -> str | None:
