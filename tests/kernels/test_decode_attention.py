@@ -143,6 +143,15 @@ def test_decode_score_updates_other_than_add(score_update, device):
     if score_update == "replace":
         keys = batch.kv_indices.long()
         expected[keys] = mass[keys]
+    for backend, o, score_buf in _launch_both(batch, q, init, score_update=score_update):
+        assert rel_error(score_buf, expected) <= SCORE_REL[torch.float32], backend
+        assert rel_error(o, o_add) <= OUT_REL[torch.float32], backend
+
+
+def _launch_both(batch, q, init, **rule):
+    """Each backend's (name, output, scores) of one launch over `init`'s scores, in 3 splits,
+    with this score rule (`score_update` or `row_updates`)."""
+    lens, table = kv_lens_of(batch), as_table(batch)
     for backend in ("triton", "torch"):
         score_buf = init.clone()
         o = decode_attention_with_scores(
@@ -153,12 +162,11 @@ def test_decode_score_updates_other_than_add(score_update, device):
             table,
             score_buf,
             batch.sm_scale,
-            score_update=score_update,
             num_kv_splits=3,
             backend=backend,
+            **rule,
         )
-        assert rel_error(score_buf, expected) <= SCORE_REL[torch.float32], backend
-        assert rel_error(o, o_add) <= OUT_REL[torch.float32], backend
+        yield backend, o, score_buf
 
 
 def test_each_request_updates_its_scores_by_its_own_rule(device):
@@ -181,20 +189,7 @@ def test_each_request_updates_its_scores_by_its_own_rule(device):
                 keys = batch.kv_indices[int(batch.kv_indptr[request]) : int(batch.kv_indptr[request + 1])].long()
                 expected[keys] = scratch[keys]
     column = torch.tensor([[r, 0] for r in rules], dtype=torch.int32, device=device)[:, 0]
-    for backend in ("triton", "torch"):
-        score_buf = init.clone()
-        o = decode_attention_with_scores(
-            q,
-            batch.k_buf,
-            batch.v_buf,
-            lens,
-            table,
-            score_buf,
-            batch.sm_scale,
-            row_updates=column,
-            num_kv_splits=3,
-            backend=backend,
-        )
+    for backend, o, score_buf in _launch_both(batch, q, init, row_updates=column):
         assert rel_error(score_buf, expected) <= SCORE_REL[torch.float32], backend
         assert rel_error(o, o_want) <= OUT_REL[torch.float32], backend
     with pytest.raises(ValueError, match="row_updates must be"):
