@@ -53,15 +53,11 @@ from common.report import ReportPaths, provenance_line, write_json
 
 importable()
 
-from sglang_kvsparse.config.request_sparsity import SERVER_SETTING, RequestSparsity  # noqa: E402
-from sglang_kvsparse.policies import POLICIES  # noqa: E402
 from sglang_kvsparse.state.sparse_state import SparseState  # noqa: E402
-from tests.unit.heap import ReplayStep, decode_lifecycle, eager_step, make_state  # noqa: E402
+from tests.unit.heap import OWN_POLICY_SETTINGS, ReplayStep, decode_lifecycle, eager_step, make_state  # noqa: E402
 
 STEPS = 300
 GRAPH_BS = 6
-#: The graph step's requests: the server's policy's, or one of their own that decodes otherwise.
-OWN_POLICIES = ("tova", "keynorm", "random")
 SERVING_PROFILE = "gpu-check-serving"
 STEP_NAMES = ("kernels", "step-cost", "graph", "bandwidth", "serving")
 #: Each subprocess step's limit in seconds: together under 8 minutes with the graph step.
@@ -162,7 +158,7 @@ def timed_eager(times: list[float]) -> Callable:
 
 
 def check_graph(device: str) -> dict[str, Any]:
-    settings = (SERVER_SETTING, *(RequestSparsity(policy=POLICIES[name]()) for name in OWN_POLICIES))
+    settings = OWN_POLICY_SETTINGS
     eager_times: list[float] = []
     eager, evicting = decode_lifecycle(lifecycle_state(device), STEPS, timed_eager(eager_times), settings=settings)
     state = lifecycle_state(device)
@@ -172,7 +168,7 @@ def check_graph(device: str) -> dict[str, Any]:
     return {
         "decode_steps": len(eager),
         "steps_with_evictions": evicting,
-        "request_policies": ["server's", *OWN_POLICIES],
+        "request_policies": [setting.policy.name if setting.policy else "server's" for setting in settings],
         "max_abs_difference": worst,
         "eager_step_ms_median": 1e3 * statistics.median(eager_times),
         "graph_step_ms_median": 1e3 * statistics.median(graph.times[1:] or graph.times),

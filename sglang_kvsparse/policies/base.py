@@ -5,11 +5,12 @@ observation window, then the best scores up to the budget: `sglang_kvsparse.kern
 It scores in its own units and keeps them while decoding: at prefill `score`; a decoded token's
 key starts with the score `first_score` names; on every decode step the attention kernel updates
 the kept keys' scores as `score_update` says (add this step's attention, replace by it, or leave
-them); before a decode eviction ranks a row, `eviction_scores`. The two decode-time rules are
-kinds the kernels implement, not code, so that one launch (and one captured graph) serves a batch
-whose requests have different policies. So a prompt's keys and the decoded ones compete in the
-same units. Keeping policies this small lets them be swapped by name and tested against each
-other on the same inputs.
+them); before a decode eviction ranks a row, `eviction_scores`. So a prompt's keys and the
+decoded ones compete in the same units. The two decode-time rules are kinds the kernels
+implement, not code, so that one launch (and one captured graph) serves a batch whose requests
+have different policies; a policy whose decoded keys need another rule needs a kernel kind.
+Keeping policies this small lets them be swapped by name and tested against each other on the
+same inputs.
 
 A policy is a frozen dataclass whose fields are its own knobs (SnapKV's pooling, for instance),
 set in the configuration as `{"policy": {"name": ..., knob: value}}` and validated by the policy.

@@ -21,9 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from sglang_kvsparse.config.request_sparsity import SERVER_SETTING, RequestSparsity
-from sglang_kvsparse.policies import POLICIES
-from tests.unit.heap import H_KV, D, grow, make_state, prefill_alone
+from tests.unit.heap import H_KV, OWN_POLICY_SETTINGS, D, grow, make_state, prefill_alone
 
 pytestmark = pytest.mark.integration
 
@@ -127,9 +125,7 @@ def test_replays_dispatch_what_was_captured_and_match_eager_decoding_with_evicti
     lengths: dict[int, int] = {}
     final: dict[int, int] = {}
     steps = evicting = mixed = 0
-    # Each joining request's setting: the server's or a policy of its own (every way of updating
-    # scores and of scoring a new key among them).
-    settings = [SERVER_SETTING] + [RequestSparsity(policy=POLICIES[name]()) for name in ("tova", "keynorm", "random")]
+    settings = OWN_POLICY_SETTINGS  # each joining request's, drawn
     for step in range(420):
         free_rows = [row for row in range(1, 9) if row not in lengths]
         if free_rows and len(lengths) < 7 and step % 5 == 0:  # a request joins, prefilled alone

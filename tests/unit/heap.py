@@ -15,13 +15,13 @@ from collections.abc import Callable
 import torch
 
 from sglang_kvsparse.config import SparsityConfig
-from sglang_kvsparse.config.request_sparsity import RequestSparsity
+from sglang_kvsparse.config.request_sparsity import SERVER_SETTING, RequestSparsity
 from sglang_kvsparse.forward.eviction import evict_planned
 from sglang_kvsparse.forward.planning import plan_decode, plan_extend
 from sglang_kvsparse.forward.plans import ForwardPlan
 from sglang_kvsparse.forward.sparse_attention import sparse_decode, sparse_extend
 from sglang_kvsparse.forward.sparse_forward import SparseForward
-from sglang_kvsparse.policies import ScoringPolicy, SnapKVPolicy
+from sglang_kvsparse.policies import POLICIES, ScoringPolicy, SnapKVPolicy
 from sglang_kvsparse.state.requests import Phase
 from sglang_kvsparse.state.sparse_group import LaneBuffers
 from sglang_kvsparse.state.sparse_state import SparseState
@@ -161,6 +161,14 @@ def assert_device_tables_mirror_the_host(state):
             n = group.table.count(req_idx)
             assert torch.equal(group.device_table[req_idx, :n].long(), group.table.table[req_idx, :n]), req_idx
             assert torch.equal(group.device_scores[req_idx].long(), group.score_table[req_idx]), req_idx
+
+
+#: Requests of the server's policy, or of one of their own that decodes otherwise: TOVA replaces
+#: scores; KeyNorm and random leave them and score a new key each its own way.
+OWN_POLICY_SETTINGS = (
+    SERVER_SETTING,
+    *(RequestSparsity(policy=POLICIES[name]()) for name in ("tova", "keynorm", "random")),
+)
 
 
 def prefill_alone(

@@ -13,12 +13,17 @@ batch is wider than the running one, so padded rows are exercised too.
 import pytest
 import torch
 
-from sglang_kvsparse.config.request_sparsity import SERVER_SETTING, RequestSparsity
 from sglang_kvsparse.forward.decode_graph import DecodeBuffers
 from sglang_kvsparse.forward.planning import plan_decode, plan_extend
-from sglang_kvsparse.policies import POLICIES
 
-from .heap import ReplayStep, assert_device_tables_mirror_the_host, decode_lifecycle, grow, make_state
+from .heap import (
+    OWN_POLICY_SETTINGS,
+    ReplayStep,
+    assert_device_tables_mirror_the_host,
+    decode_lifecycle,
+    grow,
+    make_state,
+)
 
 GRAPH_BS = 6
 
@@ -39,12 +44,8 @@ def replay_checked(state) -> ReplayStep:
     return Checked(state, GRAPH_BS)
 
 
-#: Requests of the server's policy only; or each of it or of a policy of its own that decodes
-#: otherwise (TOVA replaces scores; KeyNorm and random leave them and score a new key their way).
-SETTINGS = {
-    "server": (),
-    "own policies": (SERVER_SETTING, *(RequestSparsity(policy=POLICIES[n]()) for n in ("tova", "keynorm", "random"))),
-}
+#: Requests of the server's policy only, or some of their own (`OWN_POLICY_SETTINGS`).
+SETTINGS = {"server": (), "own policies": OWN_POLICY_SETTINGS}
 
 
 @pytest.mark.parametrize("requests", SETTINGS)
