@@ -45,6 +45,7 @@ importable()
 
 from kvsparse_testbed.long_outputs import (  # noqa: E402
     LONG_OUTPUT_SUITE,
+    LONG_OUTPUT_SUITES,
     LOOP_EXCESS,
     LOOP_NGRAM,
     TASKS,
@@ -108,7 +109,8 @@ def measured(prompt: LongOutputPrompt, got: dict[str, Any], full: dict[str, Any]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", default="1024", help=f"output lengths, of {LONG_OUTPUT_SUITE.output_lens}")
+    parser.add_argument("--suite", default=LONG_OUTPUT_SUITE.name, choices=sorted(LONG_OUTPUT_SUITES))
+    parser.add_argument("--lengths", default="1024", help="output lengths, of the suite's")
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--budgets", default="128,256,512,1024", help="the default's budgets")
     parser.add_argument("--baselines", default=",".join(BASELINES))
@@ -130,7 +132,8 @@ def main() -> None:
         return
     lengths = [int(n) for n in args.lengths.split(",")]
     tasks = args.tasks.split(",")
-    prompts = [p for p in LONG_OUTPUT_SUITE.prompts(lengths) if p.task in tasks]
+    suite = LONG_OUTPUT_SUITES[args.suite]
+    prompts = [p for p in suite.prompts(lengths) if p.task in tasks]
     budgets = [int(b) for b in args.budgets.split(",") if b]
     baselines = [p for p in args.baselines.split(",") if p]
     systems = systems_for(budgets, baselines, [int(b) for b in args.baseline_budgets.split(",") if b])
@@ -167,7 +170,7 @@ def main() -> None:
             "date": dt.date.today().isoformat(),
             "machine": machine(),
             "provenance": made,
-            "suite": {"name": LONG_OUTPUT_SUITE.name, "sha256": LONG_OUTPUT_SUITE.sha256},
+            "suite": {"name": suite.name, "sha256": suite.sha256},
             "server_args": [*flags, *args_for_report(shared, model_dir)],
             "systems": [dataclasses.asdict(s) for s in systems],
             "prompts": {

@@ -265,6 +265,19 @@ LONG_OUTPUT_SUITE = LongOutputSuite(
     sha256="9316f17630c8ab3a898acdfaf906ff84b3eea56aced8ff01da8b80a647659d9d",
 )
 
+#: Seeds 31-38 at 1,024 tokens, frozen after the first suite's report: more prompts for the task
+#: that isolates decode-time eviction (count: the prompt within every budget), where the first
+#: suite's three could not rank the default against random eviction.
+LONG_COUNT_SUITE = LongOutputSuite(
+    name="long-count-2026-12-06",
+    seeds=tuple(range(31, 39)),
+    output_lens=(1024,),
+    sha256="0f292d7b13a3a9b218d33ba56d30a9b521b93b69a99732b109ec9bb47e886cd1",
+)
+
+#: Every frozen long-output suite by name.
+LONG_OUTPUT_SUITES = {suite.name: suite for suite in (LONG_OUTPUT_SUITE, LONG_COUNT_SUITE)}
+
 
 # --- metrics against the full cache's greedy output (token ids) ---
 

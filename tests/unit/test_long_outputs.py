@@ -10,6 +10,7 @@ import pytest
 
 from kvsparse_testbed.long_outputs import (
     LONG_OUTPUT_SUITE,
+    LONG_OUTPUT_SUITES,
     TASKS,
     agreement,
     first_divergence,
@@ -38,6 +39,16 @@ def test_the_suite_is_frozen_uses_new_seeds_and_fits_the_default_models_context(
     changed = dataclasses.replace(LONG_OUTPUT_SUITE, seeds=(21, 22, 24))
     with pytest.raises(ValueError, match="not the frozen"):
         changed.prompts()
+
+
+def test_the_count_suite_is_frozen_on_seeds_no_other_suite_uses():
+    """The second suite's count prompts start at numbers of their own, and its seeds are new."""
+    count = LONG_OUTPUT_SUITES["long-count-2026-12-06"]
+    assert not set(count.seeds) & (set(LONG_OUTPUT_SUITE.seeds) | {0, 1, 2, 3, 4, 5})
+    starts = [p.text.splitlines()[1] for p in count.prompts() if p.task == "count"]
+    assert len(starts) == 8 and len(set(starts)) == 8
+    with pytest.raises(ValueError, match="not the frozen"):
+        dataclasses.replace(count, seeds=(31, 32)).prompts()
 
 
 def test_copy_starts_the_passage_again_and_scores_the_rest_written_verbatim():
