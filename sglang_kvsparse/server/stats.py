@@ -228,13 +228,18 @@ _LISTS = {"groups", "layers"}
 def describe_tables(state: SparseState) -> str:
     """The entry tables' size, for the start-up log: a request's line is as wide as the largest
     budget a request may ask for (`max_request_budget`), in every group."""
-    host = sum(g.table.table.nbytes + g.score_table.nbytes for g in state.groups)
-    device = sum(g.device_table.nbytes + g.device_scores.nbytes for g in state.groups)
-    widths = ", ".join(str(g.table.max_entries) for g in state.groups) or "none"
+    host, device, widths = _table_sizes(state)
     return (
         f"entry tables: {state.requests.size} requests x {widths} entries: "
         f"{host / 2**20:.1f} MiB on the host, {device / 2**20:.1f} MiB on the device"
     )
+
+
+def _table_sizes(state: SparseState) -> tuple[int, int, str]:
+    """The entry tables' bytes on the host and on the device, and each group's width."""
+    host = sum(g.table.table.nbytes + g.score_table.nbytes for g in state.groups)
+    device = sum(g.device_table.nbytes + g.device_scores.nbytes for g in state.groups)
+    return host, device, ", ".join(str(g.table.max_entries) for g in state.groups) or "none"
 
 
 #: Entry tables on the device above this share of the heap's K/V bytes draw a start-up warning:
@@ -247,11 +252,9 @@ def table_warning(state: SparseState) -> str | None:
     """A start-up warning when the entry tables are large beside the heap (`TABLE_WARNING_SHARE`),
     naming what sizes them; None otherwise."""
     heap = sum(lane.k.nbytes + lane.v.nbytes for lane in state.lanes)
-    host = sum(g.table.table.nbytes + g.score_table.nbytes for g in state.groups)
-    device = sum(g.device_table.nbytes + g.device_scores.nbytes for g in state.groups)
+    host, device, widths = _table_sizes(state)
     if device <= TABLE_WARNING_SHARE * heap:
         return None
-    widths = ", ".join(str(g.table.max_entries) for g in state.groups)
     return (
         f"warning: the entry tables take {device / 2**20:.0f} MiB of device memory ({device / heap:.0%} of the "
         f"heap's K/V bytes) and {host / 2**20:.0f} MiB on the host: {state.requests.size} request slots "
