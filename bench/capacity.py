@@ -31,7 +31,7 @@ from typing import Any
 
 import requests
 from common.client import ClientError, KvStatsPoller, Workload, run_client
-from common.models import DTYPE_BYTES, kv_bytes_per_token
+from common.models import DTYPE_BYTES, kv_bytes_per_token, tokens_at_equal_bytes
 from common.report import ReportPaths, provenance_line, write_json
 from common.systems import (
     STOCK,
@@ -372,9 +372,7 @@ def run_workload(
 
 def system_tokens(system: System, settings: ServerSettings) -> int | None:
     """The system's `--max-total-tokens`: the profile's KV bytes, in its own values."""
-    if settings.max_total_tokens is None or system.value_bytes is None:
-        return settings.max_total_tokens
-    return settings.max_total_tokens * DTYPE_BYTES[settings.dtype] // system.value_bytes
+    return tokens_at_equal_bytes(settings.max_total_tokens, settings.dtype, system.kv_dtype)
 
 
 def measure_system(

@@ -1,10 +1,11 @@
 """Serving benchmark: stock SGLang vs the project, same model, KV memory and workload, one run.
 
-For each system in turn (stock first, then each project variant of the profile): start its
-server, wait for /health, run ``python -m sglang.benchmark.serving`` once per max concurrency,
-read the peak of running requests from the server's log, stop the server and all its processes.
-Then write ``<out-dir>/<profile>-<date>.json``, ``.md`` and ``.png`` with the ratio
-project / stock for every metric. The report is rewritten after each system, so a failure late
+For each system in turn (stock first, then each variant of the profile: the project's launcher,
+or stock with another KV cache): start its server, wait for /health, run
+``python -m sglang.benchmark.serving`` once per max concurrency, read the peak of running requests
+from the server's log, stop the server and all its processes. Then write
+``<out-dir>/<profile>-<date>.json``, ``.md`` and ``.png`` with the ratio to stock for every
+metric (and to each other stock system of the profile). The report is rewritten after each system, so a failure late
 in the run keeps what was measured. Server and client logs go to ``<profile>-<date>-logs/``.
 
 Usage:
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from common.client import ClientError, KvStatsPoller, Workload, run_client
-from common.models import kv_bytes_per_token
+from common.models import DTYPE_BYTES, KV_DTYPE_BYTES, kv_bytes_per_token, tokens_at_equal_bytes
 from common.report import (
     ReportPaths,
     ratio_rows,
@@ -128,27 +129,45 @@ def measure(
 
 
 def run_system(
-    name: str, flags: tuple[str, ...], shared: list[str], profile: Profile, log_dir: Path, dense_bytes_per_request: int
+    variant: Variant, model_dir: Path, load_args: list[str], profile: Profile, log_dir: Path, bytes_per_token: int
 ) -> dict[str, Any]:
-    """Start one system, sweep the concurrencies, stop it; errors are recorded, not raised."""
+    """Start one system (its KV cache at the profile's KV bytes), sweep the concurrencies, stop it;
+    errors are recorded, not raised."""
+    base = profile.server_settings()
+    settings = dataclasses.replace(
+        base,
+        kv_cache_dtype=variant.kv_dtype,
+        max_total_tokens=tokens_at_equal_bytes(base.max_total_tokens, base.dtype, variant.kv_dtype),
+    )
+    value_bytes = KV_DTYPE_BYTES.get(variant.kv_dtype or "", DTYPE_BYTES[profile.dtype])
+    dense_per_request = (profile.prompt_len + profile.output_len) * bytes_per_token * value_bytes
+    dense_per_request //= DTYPE_BYTES[profile.dtype]
     system: dict[str, Any] = {
-        "name": name,
-        "launcher": launcher_of(name),
-        "flags": list(flags),
+        "name": variant.name,
+        "launcher": launcher_of(variant.name, variant.stock),
+        "flags": list(variant.flags),
+        "kv_dtype": variant.kv_dtype,
+        "max_total_tokens": settings.max_total_tokens,
         "startup_s": None,
         "error": None,
         "runs": [],
     }
-    server = server_for(name, flags, shared, profile.server_settings(), log_dir, say)
+    shared = shared_server_args(settings, model_dir, load_args)
+    server = server_for(variant.name, variant.flags, shared, settings, log_dir, say, stock=variant.stock)
     try:
         with server:
             system["startup_s"] = server.startup_s
             for concurrency in profile.concurrencies:
-                system["runs"].append(measure(server, profile, concurrency, log_dir, dense_bytes_per_request))
+                system["runs"].append(measure(server, profile, concurrency, log_dir, dense_per_request))
     except (ServerStartError, ClientError) as exc:
-        say(f"[{name}] failed: {exc}")
+        say(f"[{variant.name}] failed: {exc}")
         system["error"] = str(exc).splitlines()[0]
     return system
+
+
+def stock_systems(profile: Profile) -> list[str]:
+    """The stock systems of a run, the baselines of its ratios: stock, then the profile's own."""
+    return [STOCK, *(variant.name for variant in profile.variants if variant.stock)]
 
 
 def build_report(
@@ -171,7 +190,12 @@ def build_report(
         },
         "baseline": STOCK,
         "systems": systems,
-        "ratios": ratio_rows(systems, STOCK),
+        "ratios": [
+            row | {"baseline": baseline}
+            for baseline in stock_systems(profile)
+            for row in ratio_rows(systems, baseline)
+            if baseline == STOCK or row["system"] not in stock_systems(profile)
+        ],
         "notes": [
             "Peak running requests: the most requests holding KV at once in the server's "
             "scheduler log during that run (decode lines; prefill lines count the batch's new "
@@ -180,7 +204,7 @@ def build_report(
             "kv_bytes_in_use / requests_running seen, polled every second) when it answers; "
             "otherwise, and always for stock, the dense figure (input + output tokens) × "
             "dense bytes per token. The KV source column says which.",
-            "Both systems ran in turn on the same machine in this run; the benchmark client "
+            "The systems ran in turn on the same machine in this run; the benchmark client "
             "shares the machine with the server.",
         ],
     }
@@ -200,16 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     model_dir, load_args = prepare_model(settings, log_dir)
     shared = shared_server_args(settings, model_dir, load_args)
     bytes_per_token = kv_bytes_per_token(model_dir, profile.dtype)
-    dense_per_request = (profile.prompt_len + profile.output_len) * bytes_per_token
     say(
         f"profile {profile.name}: {len(profile.variants) + 1} systems × "
         f"{len(profile.concurrencies)} concurrencies; logs in {log_dir}"
     )
 
     systems: list[dict[str, Any]] = []
-    for name, flags in [(STOCK, ()), *((v.name, v.flags) for v in profile.variants)]:
-        (log_dir / f"client-{name}.jsonl").unlink(missing_ok=True)
-        systems.append(run_system(name, flags, shared, profile, log_dir, dense_per_request))
+    for variant in (Variant(STOCK, stock=True), *profile.variants):
+        (log_dir / f"client-{variant.name}.jsonl").unlink(missing_ok=True)
+        systems.append(run_system(variant, model_dir, load_args, profile, log_dir, bytes_per_token))
         report = build_report(profile, date, model_dir, shared, bytes_per_token, systems)
         write_json(paths, report)
         write_markdown(paths, report)

@@ -31,10 +31,15 @@ NO_PREFIX_REUSE = ("--disable-radix-cache",)
 
 @dataclass(frozen=True)
 class Variant:
-    """One project configuration to compare with stock SGLang."""
+    """One system to compare with stock SGLang in the model's dtype: the project's launcher with
+    ``flags``, or (``stock``) stock SGLang, either with its KV cache in ``kv_dtype`` (a
+    ``--kv-cache-dtype`` value; None: the model's dtype). An FP8 cache gets the profile's KV
+    bytes, so as many more tokens as its values are smaller."""
 
     name: str
-    flags: tuple[str, ...]
+    flags: tuple[str, ...] = ()
+    kv_dtype: str | None = None
+    stock: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,11 +104,15 @@ class Profile:
 
         A dummy-weights model keeps its architecture and vocabulary but gets the small shape of
         ``common.models.SHAPES["dry-run"]`` (4 layers, so gpu-novita's full layers 0-2 still fit).
-        Only the first project variant runs: the others take the same path with other flags.
+        Only the first variant of each kind (stock or project, KV dtype) runs: the others take the
+        same path with other flags.
         """
+        kinds: dict[tuple[bool, str | None], Variant] = {}
+        for variant in self.variants:
+            kinds.setdefault((variant.stock, variant.kv_dtype), variant)
         return dataclasses.replace(
             self,
-            variants=self.variants[:1],
+            variants=tuple(kinds.values()),
             name=f"{self.name}-dry-run",
             description=f"CPU dry run of `{self.name}` at tiny sizes (timings mean nothing). " + self.description,
             device="cpu",
@@ -233,6 +242,21 @@ def _gpu_long_out(output_len: int) -> Profile:
 
 
 PROFILES.update({profile.name: profile for profile in (_gpu_long_out(4000), _gpu_long_out(8000))})
+
+#: cpu-long with FP8 KV caches beside: stock's (through the CPU's FP8 reference) and the default's.
+PROFILES["cpu-long-fp8"] = dataclasses.replace(
+    PROFILES["cpu-long"],
+    name="cpu-long-fp8",
+    description="cpu-long with FP8 KV caches (e4m3) at the same KV bytes (the float32 pool's 12,288 "
+    "tokens, so 49,152 FP8 tokens): stock in float32 and in FP8 (on this CPU through the FP8 reference, "
+    "`patches/cpu_fp8.py`), the default preset in float32 and in FP8. On a GPU the model's dtype is "
+    "bfloat16, so FP8 halves a value there where here it quarters one.",
+    variants=(
+        Variant("stock-fp8", kv_dtype="fp8_e4m3", stock=True),
+        Variant("default", PROJECT_DEFAULT),
+        Variant("default-fp8", PROJECT_DEFAULT, kv_dtype="fp8_e4m3"),
+    ),
+)
 
 #: The serving step of `bench/gpu_check.py`: gpu-novita cut to fit one lent-GPU run.
 PROFILES["gpu-check-serving"] = dataclasses.replace(

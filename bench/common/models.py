@@ -26,8 +26,10 @@ from sglang_kvsparse.models import ensure_default_model
 BENCH_MODELS = Path(__file__).resolve().parent.parent / "models"
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: Bytes of one stored K/V value by `--kv-cache-dtype` (absent or "auto": the model's dtype's).
+KV_DTYPE_BYTES = {"fp8_e4m3": 1, "fp8_e5m2": 1, "bf16": 2, "bfloat16": 2}
 
-__all__ = ["SHAPES", "default_model", "kv_bytes_per_token", "prepare_dummy_model"]
+__all__ = ["SHAPES", "default_model", "kv_bytes_per_token", "prepare_dummy_model", "tokens_at_equal_bytes"]
 
 
 def default_model() -> Path:
@@ -53,3 +55,11 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv_heads = config.get("num_key_value_heads", heads)
     return config["num_hidden_layers"] * kv_heads * head_dim * 2 * DTYPE_BYTES[dtype]
+
+
+def tokens_at_equal_bytes(tokens: int | None, dtype: str, kv_dtype: str | None) -> int | None:
+    """`--max-total-tokens` for a KV cache in `kv_dtype` that holds the bytes of `tokens` dense
+    tokens in the model's `dtype` (None stays None: SGLang sizes the pool)."""
+    if tokens is None or kv_dtype not in KV_DTYPE_BYTES:
+        return tokens
+    return tokens * DTYPE_BYTES[dtype] // KV_DTYPE_BYTES[kv_dtype]

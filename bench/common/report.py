@@ -120,7 +120,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- Machine: {report['machine']}",
         f"- Model: {settings['model']} ({settings['dtype']}, {settings['kv_bytes_per_token']:,} dense KV bytes/token)",
         f"- Workload: {_workload(settings)}, SGLang's `sglang.benchmark.serving`",
-        f"- Server arguments (both systems): `{' '.join(settings['server_args'])}`",
+        f"- Server arguments (every system): `{' '.join(settings['server_args'])}`",
         "",
         "| system | concurrency | done/sent | "
         + " | ".join(title for _, title in METRICS)
@@ -139,27 +139,30 @@ def markdown(report: dict[str, Any]) -> str:
             )
     lines += ["", "Systems:", ""]
     for system in report["systems"]:
-        flags = " ".join(system["flags"]) or "(none)"
+        flags = " ".join(system["flags"])
+        if system.get("kv_dtype"):
+            flags += f" (KV {system['kv_dtype']}, --max-total-tokens {system['max_total_tokens']:,})"
+        flags = flags.strip() or "(none)"
         started = f"started in {system['startup_s']:.0f} s" if system.get("startup_s") is not None else "did not start"
         lines.append(f"- **{system['name']}**: `{system['launcher']}` {flags} — {started}")
         if system.get("error"):
             lines.append(f"  - error: {system['error']}")
-    ratios = report["ratios"]
-    if ratios:
+    for baseline in dict.fromkeys(row.get("baseline", report["baseline"]) for row in report["ratios"]):
         lines += [
             "",
-            f"## Ratio to `{report['baseline']}` (>1 is better for throughput and running "
+            f"## Ratio to `{baseline}` (>1 is better for throughput and running "
             "requests, <1 is better for latency and KV bytes)",
             "",
             "| system | concurrency | " + " | ".join(title for _, title in METRICS) + " |",
             "|---|---:|" + "---:|" * len(METRICS),
         ]
-        for row in ratios:
-            lines.append(
-                f"| {row['system']} | {row['concurrency']} | "
-                + " | ".join(_fmt(row[key], 3) for key, _ in METRICS)
-                + " |"
-            )
+        for row in report["ratios"]:
+            if row.get("baseline", report["baseline"]) == baseline:
+                lines.append(
+                    f"| {row['system']} | {row['concurrency']} | "
+                    + " | ".join(_fmt(row[key], 3) for key, _ in METRICS)
+                    + " |"
+                )
     lines += [
         "",
         "Load avg: the machine's 1-minute load average at the start and end of each "
