@@ -17,6 +17,9 @@ each variant's difference from the default) and `.png`.
     .venv/bin/python bench/ablation.py --model gemma-3-270m --completion --prefix-cache \
         --budgets 64,128,256,512,1024 --variants "" --no-server-variants \
         --server-variant 'no full layer (full_layers [])={"full_layers": []}' --stem ablation-gemma-<date>
+    # another frozen suite (`RETRIEVAL_SUITES`), the default beside its policy with a knob changed
+    .venv/bin/python bench/ablation.py --suite tight-choose-2026-12-06 --budgets 64,128 --variants "" \
+        --no-server-variants --variant 'long_follow 16={"long_follow": 16}' --stem ablation-tight-<date>
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from common.systems import args_for_report, machine, prepare_model, server_for, 
 
 importable()
 
-from kvsparse_testbed.frozen_suite import FROZEN_SUITE  # noqa: E402
+from kvsparse_testbed.frozen_suite import FROZEN_SUITE, RETRIEVAL_SUITES  # noqa: E402
 from sglang_kvsparse.config import PRESETS  # noqa: E402
 
 DEFAULT = PRESETS["default"]
@@ -80,9 +83,9 @@ def chosen_variants(labels: str | None, variants: dict[str, dict[str, Any]]) -> 
     return {label: variants[label] for label in chosen}
 
 
-def server_variant(spec: str) -> tuple[str, dict[str, Any]]:
-    """`--server-variant 'LABEL=JSON'`: a server variant of the default preset with this
-    `--kvsparse-config` object."""
+def labelled_json(spec: str) -> tuple[str, dict[str, Any]]:
+    """`--server-variant` or `--variant` 'LABEL=JSON': a label and its JSON object (the server's
+    `--kvsparse-config` over the default preset's, or the policy knobs changed)."""
     label, sep, text = spec.partition("=")
     try:
         changes = json.loads(text) if sep and label.strip() else None
@@ -100,7 +103,10 @@ def server_config(changes: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_selection_arguments(parser, seeds="3,4,5")
+    parser.add_argument(
+        "--suite", default=FROZEN_SUITE.name, choices=sorted(RETRIEVAL_SUITES), help="the frozen suite asked"
+    )
+    add_selection_arguments(parser, seeds=None)
     parser.add_argument("--no-server-variants", action="store_true", help="only the request-level variants")
     parser.add_argument(
         "--server-variants",
@@ -108,7 +114,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--server-variant",
-        type=server_variant,
+        type=labelled_json,
         action="append",
         default=[],
         metavar="LABEL=JSON",
@@ -116,6 +122,14 @@ def main() -> None:
     )
     parser.add_argument(
         "--variants", help=f"only these policy variants, labels separated by ';' (of: {'; '.join(POLICY_VARIANTS)})"
+    )
+    parser.add_argument(
+        "--variant",
+        type=labelled_json,
+        action="append",
+        default=[],
+        metavar="LABEL=JSON",
+        help="also the default policy with these knobs changed, as a request's own policy (repeatable)",
     )
     parser.add_argument("--model", default="default", help="the model served (a name of `sglang_kvsparse.models`)")
     parser.add_argument(
@@ -145,12 +159,13 @@ def main() -> None:
     if args.render:
         render(ReportPaths(args.out_dir, args.stem), args.kvpress)
         return
-    prompts, budgets = selection(args)
+    suite = RETRIEVAL_SUITES[args.suite]
+    prompts, budgets = selection(args, suite)
     server_flags = () if args.prefix_cache else SERVER_FLAGS
     made = provenance(sys.argv)
     server_variants = {} if args.no_server_variants else chosen_variants(args.server_variants, SERVER_VARIANTS)
     server_variants |= dict(args.server_variant)
-    policy_variants = chosen_variants(args.variants, POLICY_VARIANTS)
+    policy_variants = chosen_variants(args.variants, POLICY_VARIANTS) | dict(args.variant)
     answers: dict[str, dict[str, Any]] = {p.prompt_id: {} for p in prompts}
     paths = ReportPaths(args.out_dir, args.stem)
 
@@ -160,7 +175,7 @@ def main() -> None:
             "date": dt.date.today().isoformat(),
             "machine": machine(),
             "provenance": made,
-            "suite": {"name": FROZEN_SUITE.name, "sha256": FROZEN_SUITE.sha256},
+            "suite": {"name": suite.name, "sha256": suite.sha256},
             "model": args.model,
             "asked": "completions, the prompt and an answer cue" if args.completion else "chat",
             "server_args": [*server_flags, *args_for_report(shared, model_dir)],

@@ -56,3 +56,26 @@ FROZEN_SUITE = FrozenSuite(
     per_length=2,
     sha256="de90ea2174c701a3bdd5573a0f7fde6c0f71ce39940fe3c9099435e4c4b7b929",
 )
+
+#: The tightest budget (64), where the default was seen to answer fewer than before three knobs
+#: were removed: a setting for it is chosen on these prompts (multi-key and UUID, the tasks this
+#: model answers at 2,000 and 3,000 tokens; seeds 40-43, never used before) ...
+TIGHT_CHOOSE_SUITE = FrozenSuite(
+    name="tight-choose-2026-12-06",
+    seeds=(40, 41, 42, 43),
+    tasks=("multikey", "uuid"),
+    lengths=(2_000, 3_000),
+    per_length=3,
+    sha256="67c738a4b35e94754dc7207302041ef7ffa9dca225e94d825544364d4b9f965e",
+)
+#: ... and judged on these (seeds 44-49), beside the frozen suite.
+TIGHT_JUDGE_SUITE = FrozenSuite(
+    name="tight-judge-2026-12-06",
+    seeds=(44, 45, 46, 47, 48, 49),
+    tasks=("multikey", "uuid"),
+    lengths=(2_000, 3_000),
+    per_length=3,
+    sha256="ce92140d9f1d7ae3b5d808aaabedf994cfd4fb812e79f56c8fbe6e0c6015fc18",
+)
+#: Every frozen retrieval suite, by name.
+RETRIEVAL_SUITES = {suite.name: suite for suite in (FROZEN_SUITE, TIGHT_CHOOSE_SUITE, TIGHT_JUDGE_SUITE)}

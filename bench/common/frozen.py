@@ -10,7 +10,7 @@ from typing import Any
 import requests
 
 from common.systems import ServerSettings
-from kvsparse_testbed.frozen_suite import FROZEN_SUITE
+from kvsparse_testbed.frozen_suite import FROZEN_SUITE, FrozenSuite
 from kvsparse_testbed.ruler import MAX_NEW_TOKENS, RulerPrompt
 from sglang_kvsparse.server.serving_defaults import CPU_MAX_TOTAL_TOKENS
 
@@ -44,22 +44,30 @@ def ask(base_url: str, prompt: RulerPrompt, setting: dict[str, Any] | None, comp
     return {"output": output, "correct": prompt.correct(output)}
 
 
-def chosen_prompts(seeds: list[int], tasks: list[str], lengths: list[int]) -> list[RulerPrompt]:
-    """The frozen suite's prompts of these seeds, tasks and lengths (ids
+def chosen_prompts(
+    seeds: list[int], tasks: list[str], lengths: list[int], suite: FrozenSuite = FROZEN_SUITE
+) -> list[RulerPrompt]:
+    """A frozen suite's prompts of these seeds, tasks and lengths (ids
     `ruler-s<seed>-<task>-<length>-<i>`)."""
     wanted = {f"s{seed}-{task}-{length}" for seed in seeds for task in tasks for length in lengths}
-    return [p for p in FROZEN_SUITE.prompts() if p.prompt_id.removeprefix("ruler-").rsplit("-", 1)[0] in wanted]
+    return [p for p in suite.prompts() if p.prompt_id.removeprefix("ruler-").rsplit("-", 1)[0] in wanted]
 
 
-def add_selection_arguments(parser: argparse.ArgumentParser, seeds: str) -> None:
-    """The options that choose the suite's prompts (seeds, tasks, lengths) and the budgets."""
-    parser.add_argument("--seeds", default=seeds, help="of the frozen suite's seeds")
+def add_selection_arguments(parser: argparse.ArgumentParser, seeds: str | None) -> None:
+    """The options that choose the suite's prompts (seeds, tasks, lengths) and the budgets;
+    `seeds` None: all of the suite's."""
+    parser.add_argument(
+        "--seeds",
+        default=seeds,
+        help="of the suite's seeds (default: all)" if seeds is None else "of the suite's seeds",
+    )
     parser.add_argument("--tasks", default=",".join(FROZEN_SUITE.tasks), help="of the frozen suite's tasks")
     parser.add_argument("--lengths", default="2000,3000", help="of the frozen suite's lengths")
     parser.add_argument("--budgets", default="128,256")
 
 
-def selection(args: argparse.Namespace) -> tuple[list[RulerPrompt], list[int]]:
-    """The prompts and budgets `add_selection_arguments`' options chose."""
-    seeds, lengths = [int(s) for s in args.seeds.split(",")], [int(n) for n in args.lengths.split(",")]
-    return chosen_prompts(seeds, args.tasks.split(","), lengths), [int(b) for b in args.budgets.split(",")]
+def selection(args: argparse.Namespace, suite: FrozenSuite = FROZEN_SUITE) -> tuple[list[RulerPrompt], list[int]]:
+    """The prompts of `suite` and the budgets `add_selection_arguments`' options chose."""
+    seeds = list(suite.seeds) if args.seeds is None else [int(s) for s in args.seeds.split(",")]
+    lengths = [int(n) for n in args.lengths.split(",")]
+    return chosen_prompts(seeds, args.tasks.split(","), lengths, suite), [int(b) for b in args.budgets.split(",")]

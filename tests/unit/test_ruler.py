@@ -111,3 +111,17 @@ def test_the_frozen_suite_is_the_one_frozen_and_holds_only_prompts_no_knob_was_c
     assert max(p.target_tokens for p in prompts) == 7_500
     with pytest.raises(ValueError, match="not the frozen"):
         dataclasses.replace(FROZEN_SUITE, per_length=1).prompts()
+
+
+def test_the_tight_budget_suites_are_frozen_and_share_no_seed():
+    """The suite a tight-budget setting is chosen on and the one it is judged on hash to their
+    frozen hashes, and no two retrieval suites (nor the knobs' seeds 0-2) share a seed: a setting
+    chosen on one is judged on prompts it never saw."""
+    from kvsparse_testbed.frozen_suite import RETRIEVAL_SUITES, TIGHT_CHOOSE_SUITE, TIGHT_JUDGE_SUITE, prompts_hash
+
+    for suite in (TIGHT_CHOOSE_SUITE, TIGHT_JUDGE_SUITE):
+        prompts = suite.prompts()
+        assert prompts_hash(prompts) == suite.sha256
+        assert len(prompts) == len(suite.seeds) * len(suite.tasks) * len(suite.lengths) * suite.per_length
+    seeds = [seed for suite in RETRIEVAL_SUITES.values() for seed in suite.seeds] + [0, 1, 2]
+    assert len(seeds) == len(set(seeds))
