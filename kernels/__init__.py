@@ -21,7 +21,7 @@ from .extend_attention import (
     extend_attention_with_stats_triton,
 )
 from .first_scores import FIRST_SCORES, FirstScore, first_scores, minus_key_norm, position_hash
-from .selection import peaks, pool_scores, select_kept, select_rows, spread_best, spread_scores
+from .selection import peaks, pool_scores, select_kept, select_rows, spread_scores
 from .window_scores import (
     WindowScoreConfig,
     window_scores,
@@ -54,7 +54,6 @@ __all__ = [
     "pool_scores",
     "select_kept",
     "select_rows",
-    "spread_best",
     "spread_scores",
     "write_entries",
     "write_entries_torch",

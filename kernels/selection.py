@@ -47,29 +47,6 @@ def spread_scores(scores: torch.Tensor, kv_indptr: torch.Tensor, follow: int) ->
     return _window_max(scores, kv_indptr, follow, 0)
 
 
-def spread_best(
-    scores: torch.Tensor, best: torch.Tensor, kv_indptr: torch.Tensor, follows: torch.Tensor
-) -> torch.Tensor:
-    """[total_kv, H]: each key given the score of the latest ``best`` key of its request and
-    head at most ``follows[r]`` keys before it (itself included), 0 where there is none.
-
-    `spread_scores` of ``where(best, scores, 0)`` with each request's own follow, when a
-    request's best keys in a head score alike (`peaks` with count 1 marks the ties of the best):
-    one running index and a gather, so the follow may differ per request. ``scores`` >= 0;
-    ``follows`` [B] integers >= 0, on any device.
-    """
-    total = scores.shape[0]
-    if total == 0:
-        return torch.zeros_like(scores)
-    positions = torch.arange(total, device=scores.device)
-    latest = torch.where(best, positions[:, None], -1).cummax(dim=0).values
-    seg = segment_ids(kv_indptr, total)
-    first = kv_indptr[:-1].to(scores.device, torch.int64)[seg]
-    reach = follows.to(scores.device, torch.int64)[seg]
-    near = (latest >= first[:, None]) & (positions[:, None] - latest <= reach[:, None])
-    return torch.where(near, scores.gather(0, latest.clamp(min=0)), 0)
-
-
 def peaks(
     scores: torch.Tensor, kv_indptr: torch.Tensor, count: int, radius: int, skip_first: int, skip_last: int
 ) -> torch.Tensor:

@@ -117,7 +117,6 @@ def sparse_extend(
             plan.sink,
             plan.sentence_ends,
             scales.k,
-            column.budgets,
         )
         for group in groups:
             mine = group.policy.score(inputs)  # of the whole batch: a batch mixes policies rarely

@@ -36,8 +36,7 @@ class PrefillScoringInputs:
     log-sum-exp from `extend_attention_with_stats`, so attention probabilities can be recomputed
     for a few queries without a second full softmax. ``sentence_ends`` marks the keys whose
     token ends a sentence (`sglang_kvsparse.policies.sentences`); None where the server has no token ids
-    (no tokenizer), and policies then score without sentences. ``budgets`` holds each request's
-    budget in this layer (None where a caller has none: policies then score as for a wide one).
+    (no tokenizer), and policies then score without sentences.
     """
 
     q: torch.Tensor  # [num_q_tokens, H_q, D]
@@ -51,7 +50,6 @@ class PrefillScoringInputs:
     sink: int  # the first keys every selection keeps (attention sinks)
     sentence_ends: torch.Tensor | None = None  # [total_kv] bool, aligned with kv_indices
     k_scale: float = 1.0  # an FP8 `k_buf`'s scale: a stored key times it is the real one
-    budgets: torch.Tensor | None = None  # [B] int, any device
 
     def attention_from_last(self, queries: int) -> torch.Tensor:
         """[total_kv, H_kv] float32: each key's attention from its request's last `queries` new

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_kvsparse.kernels import peaks, spread_best
+from sglang_kvsparse.kernels import peaks, spread_scores
 from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
 from sglang_kvsparse.policies.sentences import raise_to_sentence_best, sentence_numbers
 from sglang_kvsparse.policies.snapkv import require_count, require_share
@@ -45,28 +45,16 @@ class SpanPolicy(ScoringPolicy):
 
     long_follow: int = 40
     sentence: float = 0.5
-    follow_share: float = 1.0
     name = "span"
 
     def __post_init__(self) -> None:
         require_count("long_follow", self.long_follow, 0, LONGEST_FOLLOW)
         require_share("sentence", self.sentence)
-        require_share("follow_share", self.follow_share)
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
         attention = inputs.attention_from_last(inputs.window)
-        follows = self.follows(inputs.budgets, inputs.kv_indptr.numel() - 1, inputs.sink, inputs.window)
-        spread = self.spread(attention, inputs.kv_indptr, inputs.sink, inputs.window, follows)
+        spread = self.spread(attention, inputs.kv_indptr, inputs.sink, inputs.window)
         return self.by_sentence(spread, inputs.kv_indptr, inputs.sentence_ends)
-
-    def follows(self, budgets: torch.Tensor | None, requests: int, sink: int, window: int) -> torch.Tensor:
-        """[B]: how many keys each request's best peak brings along: `long_follow`, and at most
-        `follow_share` of the entries its budget leaves past the sink and the window (all
-        `long_follow` where the budgets are unknown)."""
-        if budgets is None:
-            return torch.full((requests,), self.long_follow, dtype=torch.int64)
-        room = (budgets.to(torch.int64) - sink - window).clamp(min=0) * self.follow_share
-        return room.floor().to(torch.int64).clamp(max=self.long_follow)
 
     def by_sentence(
         self, scores: torch.Tensor, kv_indptr: torch.Tensor, sentence_ends: torch.Tensor | None
@@ -78,14 +66,12 @@ class SpanPolicy(ScoringPolicy):
         sentences = sentence_numbers(sentence_ends, kv_indptr, SENTENCE_KEYS)
         return raise_to_sentence_best(scores, sentences, self.sentence)
 
-    def spread(
-        self, attention: torch.Tensor, kv_indptr: torch.Tensor, sink: int, window: int, follows: torch.Tensor
-    ) -> torch.Tensor:
+    def spread(self, attention: torch.Tensor, kv_indptr: torch.Tensor, sink: int, window: int) -> torch.Tensor:
         """`span`'s scores from the window's attention [total_kv, H_kv] (requests bounded by
-        `kv_indptr`; `sink` and `window` as the selection protects them; `follows` [B] from
-        `follows`)."""
+        `kv_indptr`; `sink` and `window` as the selection protects them)."""
         if not self.long_follow:
             return attention
         best = peaks(attention, kv_indptr, LONG_PEAKS, self.long_follow, sink, window + self.long_follow)
         # Attention mass is >= 0, so 0 leaves every other key to its own score.
-        return torch.maximum(attention, spread_best(attention, best, kv_indptr, follows))
+        longer = spread_scores(torch.where(best, attention, 0.0), kv_indptr, self.long_follow)
+        return torch.maximum(attention, longer)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sglang_kvsparse.kernels import peaks, pool_scores, select_kept, select_rows, spread_best, spread_scores
+from sglang_kvsparse.kernels import peaks, pool_scores, select_kept, select_rows, spread_scores
 from sglang_kvsparse.kernels.testing import indptr_from_lens
 
 LENS = [1, 7, 30, 4, 19]
@@ -86,30 +86,6 @@ def test_spread_matches_naive_and_stays_in_its_request(follow):
     assert torch.equal(spread, torch.stack(expected))
     with pytest.raises(ValueError, match="follow must be >= 0"):
         spread_scores(scores, indptr_from_lens(LENS, "cpu"), -1)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_spread_best_brings_each_requests_own_follow_along(seed):
-    """Each key gets the score of the latest best key of its request and head within that
-    request's follow before it (a naive loop); with one follow for all, `spread_scores` of the
-    best keys' scores, and never a key of another request."""
-    generator = torch.Generator().manual_seed(seed)
-    indptr = indptr_from_lens(LENS, "cpu")
-    scores = torch.rand(sum(LENS), 3, generator=generator)
-    best = peaks(scores, indptr, 1, 2, 0, 0)
-    follows = torch.randint(0, 12, (len(LENS),), generator=generator)
-    expected, start = torch.zeros_like(scores), 0
-    for request, n in enumerate(LENS):
-        for h in range(3):
-            for i in range(n):
-                before = [j for j in range(max(0, i - int(follows[request])), i + 1) if best[start + j, h]]
-                if before:
-                    expected[start + i, h] = scores[start + before[-1], h]
-        start += n
-    assert torch.equal(spread_best(scores, best, indptr, follows), expected)
-    for follow in (0, 5, 40):
-        alike = spread_best(scores, best, indptr, torch.full((len(LENS),), follow))
-        assert torch.equal(alike, spread_scores(torch.where(best, scores, 0.0), indptr, follow))
 
 
 def naive_peaks(scores, lens, count, radius, skip_first, skip_last):

@@ -294,15 +294,15 @@ def test_a_resumed_run_asks_kept_systems_only_the_prompts_of_added_seeds(tmp_pat
             fidelity.resumable(paths, {**grown, **changed})
 
 
-def test_an_ablation_server_variant_is_a_label_and_a_config_object() -> None:
+def test_an_ablation_variant_is_a_label_and_a_json_object() -> None:
     ablation = _fidelity_module("ablation.py")
-    assert ablation.server_variant('no full layer (full_layers [])={"full_layers": []}') == (
+    assert ablation.labelled_json('no full layer (full_layers [])={"full_layers": []}') == (
         "no full layer (full_layers [])",
         {"full_layers": []},
     )
     for spec in ("x={", "x=[1]", "x", '={"a": 1}'):
         with pytest.raises(argparse.ArgumentTypeError, match="LABEL=JSON object"):
-            ablation.server_variant(spec)
+            ablation.labelled_json(spec)
 
 
 def test_a_capacity_system_sent_fewer_requests_is_said_in_the_report() -> None:

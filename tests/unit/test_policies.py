@@ -167,29 +167,6 @@ def test_span_raises_every_requests_keys_to_their_sentences_best_where_the_ends_
     torch.testing.assert_close(unknown, plain, rtol=0, atol=0)
 
 
-def test_span_follows_as_far_as_each_requests_budget_leaves_room():
-    """`follow_share` caps each request's follow at that share of the entries its budget leaves
-    past sink and window; each request of a batch is scored with its own follow; without budgets
-    (or with room for it) every request follows `long_follow`."""
-    inputs = _inputs()
-    policy = POLICIES["span"](long_follow=12, sentence=0.0, follow_share=0.5)
-    budgets = torch.tensor([SINK + WINDOW + 40, SINK + WINDOW + 9, 3])  # room 20, 4, none
-    assert policy.follows(budgets, 3, SINK, WINDOW).tolist() == [12, 4, 0]
-    assert policy.follows(None, 3, SINK, WINDOW).tolist() == [12] * 3
-    capped = policy.score(dataclasses.replace(inputs, budgets=budgets))
-    attention = inputs.attention_from_last(WINDOW)
-    bounds = [0, *torch.tensor(KV_LENS).cumsum(0).tolist()]
-    for request, follow in enumerate((12, 4, 0)):
-        alike = policy.spread(attention, inputs.kv_indptr, SINK, WINDOW, torch.full((3,), follow))
-        span = slice(bounds[request], bounds[request + 1])
-        torch.testing.assert_close(capped[span], alike[span], rtol=0, atol=0)
-    unbounded = policy.score(inputs)
-    torch.testing.assert_close(unbounded[: KV_LENS[0]], capped[: KV_LENS[0]], rtol=0, atol=0)
-    assert not torch.equal(unbounded, capped)
-    with pytest.raises(ValueError, match="follow_share"):
-        POLICIES["span"](follow_share=1.5)
-
-
 #: The policies whose decode steps are alike (each step's attention added, no first score for a
 #: new key). TOVA replaces scores; KeyNorm, StreamingLLM and random leave them and score a new key
 #: each its own way.
