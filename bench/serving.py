@@ -5,8 +5,9 @@ or stock with another KV cache): start its server, wait for /health, run
 ``python -m sglang.benchmark.serving`` once per max concurrency, read the peak of running requests
 from the server's log, stop the server and all its processes. Then write
 ``<out-dir>/<profile>-<date>.json``, ``.md`` and ``.png`` with the ratio to stock for every
-metric (and to each other stock system of the profile). The report is rewritten after each system, so a failure late
-in the run keeps what was measured. Server and client logs go to ``<profile>-<date>-logs/``.
+metric (and to each other stock system of the profile). The report is rewritten after each
+system, so a failure late in the run keeps what was measured. Server and client logs go to
+``<profile>-<date>-logs/``.
 
 Usage:
   .venv/bin/python bench/serving.py --profile cpu-quick
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from common.client import ClientError, KvStatsPoller, Workload, run_client
-from common.models import DTYPE_BYTES, KV_DTYPE_BYTES, kv_bytes_per_token, tokens_at_equal_bytes
+from common.models import DTYPE_BYTES, kv_bytes_per_token, kv_value_bytes, tokens_at_equal_bytes
 from common.report import (
     ReportPaths,
     ratio_rows,
@@ -139,9 +140,8 @@ def run_system(
         kv_cache_dtype=variant.kv_dtype,
         max_total_tokens=tokens_at_equal_bytes(base.max_total_tokens, base.dtype, variant.kv_dtype),
     )
-    value_bytes = KV_DTYPE_BYTES.get(variant.kv_dtype or "", DTYPE_BYTES[profile.dtype])
-    dense_per_request = (profile.prompt_len + profile.output_len) * bytes_per_token * value_bytes
-    dense_per_request //= DTYPE_BYTES[profile.dtype]
+    dense_per_token = bytes_per_token * kv_value_bytes(base.dtype, variant.kv_dtype) // DTYPE_BYTES[base.dtype]
+    dense_per_request = (profile.prompt_len + profile.output_len) * dense_per_token
     system: dict[str, Any] = {
         "name": variant.name,
         "launcher": launcher_of(variant.name, variant.stock),
@@ -173,6 +173,7 @@ def stock_systems(profile: Profile) -> list[str]:
 def build_report(
     profile: Profile, date: str, model_dir: Path, shared: list[str], bytes_per_token: int, systems: list[dict[str, Any]]
 ) -> dict[str, Any]:
+    baselines = stock_systems(profile)
     return {
         "profile": profile.name,
         "date": date,
@@ -192,9 +193,9 @@ def build_report(
         "systems": systems,
         "ratios": [
             row | {"baseline": baseline}
-            for baseline in stock_systems(profile)
+            for baseline in baselines
             for row in ratio_rows(systems, baseline)
-            if baseline == STOCK or row["system"] not in stock_systems(profile)
+            if baseline == STOCK or row["system"] not in baselines
         ],
         "notes": [
             "Peak running requests: the most requests holding KV at once in the server's "

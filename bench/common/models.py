@@ -29,7 +29,14 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: Bytes of one stored K/V value by `--kv-cache-dtype` (absent or "auto": the model's dtype's).
 KV_DTYPE_BYTES = {"fp8_e4m3": 1, "fp8_e5m2": 1, "bf16": 2, "bfloat16": 2}
 
-__all__ = ["SHAPES", "default_model", "kv_bytes_per_token", "prepare_dummy_model", "tokens_at_equal_bytes"]
+__all__ = [
+    "SHAPES",
+    "default_model",
+    "kv_bytes_per_token",
+    "kv_value_bytes",
+    "prepare_dummy_model",
+    "tokens_at_equal_bytes",
+]
 
 
 def default_model() -> Path:
@@ -57,9 +64,14 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     return config["num_hidden_layers"] * kv_heads * head_dim * 2 * DTYPE_BYTES[dtype]
 
 
+def kv_value_bytes(dtype: str, kv_dtype: str | None) -> int:
+    """Bytes of one stored K/V value: the `--kv-cache-dtype`'s, or the model's `dtype`'s."""
+    return KV_DTYPE_BYTES.get(kv_dtype or "auto", DTYPE_BYTES[dtype])
+
+
 def tokens_at_equal_bytes(tokens: int | None, dtype: str, kv_dtype: str | None) -> int | None:
     """`--max-total-tokens` for a KV cache in `kv_dtype` that holds the bytes of `tokens` dense
     tokens in the model's `dtype` (None stays None: SGLang sizes the pool)."""
-    if tokens is None or kv_dtype not in KV_DTYPE_BYTES:
-        return tokens
-    return tokens * DTYPE_BYTES[dtype] // KV_DTYPE_BYTES[kv_dtype]
+    if tokens is None:
+        return None
+    return tokens * DTYPE_BYTES[dtype] // kv_value_bytes(dtype, kv_dtype)

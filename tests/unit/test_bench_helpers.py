@@ -316,3 +316,28 @@ def test_a_capacity_system_sent_fewer_requests_is_said_in_the_report() -> None:
     assert capacity.sent_fewer(report)
     report["systems"] = report["systems"][1:]
     assert not capacity.sent_fewer(report)
+
+
+def test_a_serving_profile_with_stock_fp8_gives_it_equal_bytes_and_its_own_ratios() -> None:
+    """cpu-long-fp8: an FP8 system gets the float32 pool's bytes (four times its tokens); the
+    ratios are taken to stock and to stock FP8, not of one stock system to the other; its dry run
+    keeps one variant of each kind."""
+    serving = _fidelity_module("serving.py")
+    models = _fidelity_module("common/models.py")
+    assert models.tokens_at_equal_bytes(12288, "float32", "fp8_e4m3") == 49152
+    assert models.tokens_at_equal_bytes(12288, "float32", "bf16") == 24576
+    assert models.tokens_at_equal_bytes(12288, "bfloat16", None) == 12288
+    assert models.tokens_at_equal_bytes(None, "float32", "fp8_e5m2") is None
+    profile = serving.PROFILES["cpu-long-fp8"]
+    assert serving.stock_systems(profile) == ["stock", "stock-fp8"]
+    assert [v.name for v in profile.dry_run().variants] == ["stock-fp8", "default", "default-fp8"]
+    systems = [_system(name, 10.0, 1.0) for name in ("stock", "stock-fp8", "default", "default-fp8")]
+    rows = serving.build_report(profile, "d", Path("/m"), [], 1, systems)["ratios"]
+    pairs = {(row["baseline"], row["system"]) for row in rows}
+    assert pairs == {
+        ("stock", "stock-fp8"),
+        ("stock", "default"),
+        ("stock", "default-fp8"),
+        ("stock-fp8", "default"),
+        ("stock-fp8", "default-fp8"),
+    }
