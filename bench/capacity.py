@@ -31,7 +31,7 @@ from typing import Any
 
 import requests
 from common.client import ClientError, KvStatsPoller, Workload, run_client
-from common.models import DTYPE_BYTES, kv_bytes_per_token, tokens_at_equal_bytes
+from common.models import DTYPE_BYTES, kv_bytes_per_token, kv_value_bytes, tokens_at_equal_bytes
 from common.report import ReportPaths, provenance_line, write_json
 from common.systems import (
     STOCK,
@@ -99,14 +99,7 @@ class System:
     #: a few more than a system can hold show its peak, and a 16k prefill costs minutes here.
     requests: int | None = None
 
-    @property
-    def value_bytes(self) -> int | None:
-        """Bytes of one stored K/V value when the cache is FP8; None: the model's dtype."""
-        return 1 if self.kv_dtype in FP8_KV else None
 
-
-#: `--kv-cache-dtype` values of an FP8 cache (a byte a value).
-FP8_KV = ("fp8_e4m3", "fp8_e5m2")
 STOCK_SYSTEM = System(STOCK, stock=True)
 
 
@@ -427,7 +420,7 @@ def heap_bound(
     return capacity_ratio(HeapLayout.from_resolved(resolved, scores_per_row(head_dim, value_bytes)), length)
 
 
-def add_ratios(report: dict[str, Any], model_config: dict[str, Any], dtype_bytes: int) -> None:
+def add_ratios(report: dict[str, Any], model_config: dict[str, Any], dtype: str) -> None:
     """Per run: its peak over each stock system's on the same workload, and the equal-bytes bound
     against it: the heap layout's (project systems) times how many more values the same bytes
     hold (an FP8 cache against one in the model's dtype). `ratio_to_stock` and `bound` are
@@ -436,7 +429,7 @@ def add_ratios(report: dict[str, Any], model_config: dict[str, Any], dtype_bytes
     stocks = [s for s in report["systems"] if s["stock"]]
     peaks = {s["name"]: {run["workload"]: run["peak_running"] for run in s["runs"]} for s in stocks}
     for system in report["systems"]:
-        mine = system_value_bytes(system, dtype_bytes)
+        mine = kv_value_bytes(dtype, system.get("kv_dtype"))
         for run in system["runs"]:
             layout = 1.0
             if not system["stock"]:
@@ -444,18 +437,13 @@ def add_ratios(report: dict[str, Any], model_config: dict[str, Any], dtype_bytes
             run["against"] = {}
             for stock in stocks:
                 base = peaks[stock["name"]].get(run["workload"])
-                bytes_ratio = system_value_bytes(stock, dtype_bytes) / mine
+                bytes_ratio = kv_value_bytes(dtype, stock.get("kv_dtype")) / mine
                 run["against"][stock["name"]] = {
                     "ratio": run["peak_running"] / base if base and run["peak_running"] else None,
                     "bound": None if layout is None else layout * bytes_ratio,
                 }
             main = run["against"].get(STOCK, {"ratio": None, "bound": None})
             run["ratio_to_stock"], run["bound"] = main["ratio"], main["bound"]
-
-
-def system_value_bytes(system: dict[str, Any], dtype_bytes: int) -> int:
-    """Bytes of one stored K/V value of a reported system."""
-    return 1 if system.get("kv_dtype") in FP8_KV else dtype_bytes
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -621,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     for system in profile.all_systems():
         tokens = system_tokens(system, profile.server)
         settings = replace(profile.server, max_total_tokens=tokens, kv_cache_dtype=system.kv_dtype)
-        mine = system.value_bytes or DTYPE_BYTES[profile.server.dtype]
+        mine = kv_value_bytes(profile.server.dtype, system.kv_dtype)
         system_bytes = bytes_per_token * mine // DTYPE_BYTES[profile.server.dtype]
         args = shared_server_args(settings, model_dir, load_args)
         systems.append(measure_system(system, args, profile, log_dir, system_bytes, num_layers))
@@ -637,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_bytes_per_token": bytes_per_token,
         "systems": systems,
     }
-    add_ratios(report, model_config, DTYPE_BYTES[profile.server.dtype])
+    add_ratios(report, model_config, profile.server.dtype)
     write_json(paths, report)
     paths.markdown.write_text(markdown(report))
     write_plot(paths, report)
