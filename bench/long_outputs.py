@@ -15,7 +15,7 @@ Per system, against the full cache's output of the same prompt: the first positi
 tokens differ, the share of positions with the same token, the task score (copy: the passage's
 sentences written verbatim; records: records written with their name, city and score; count: the
 numbers counted right from 1), and loops (an output whose repeated 16-grams exceed the full
-cache's by 20% of it). kvpress's decoding-time compression is not run (not installed here).
+cache's by 20% of it). kvpress's decoding-time compression: `bench/long_outputs_kvpress.py`.
 
 Writes `<out-dir>/<stem>.json` (every output), `.md` and `.png`.
 
@@ -32,7 +32,6 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from statistics import mean
 from typing import Any
 
 import requests
@@ -43,11 +42,11 @@ from common.systems import args_for_report, machine, prepare_model, server_for, 
 
 importable()
 
+from common.long_output_tables import METRICS, length_tables, summary  # noqa: E402
+
 from kvsparse_testbed.long_outputs import (  # noqa: E402
     LONG_OUTPUT_SUITE,
     LONG_OUTPUT_SUITES,
-    LOOP_EXCESS,
-    LOOP_NGRAM,
     TASKS,
     LongOutputPrompt,
     agreement,
@@ -208,39 +207,7 @@ def main() -> None:
     save()
 
 
-def summary(data: dict[str, Any], system: str, output_len: int, task: str | None = None) -> dict[str, Any] | None:
-    """A system's metrics over the prompts of one output length (and task) it answered."""
-    rows = [
-        answers[system]
-        for prompt_id, answers in data["answers"].items()
-        if system in answers
-        and data["prompts"][prompt_id]["output_len"] == output_len
-        and (task is None or data["prompts"][prompt_id]["task"] == task)
-    ]
-    if not rows:
-        return None
-    scores = [row["score"] for row in rows if row["score"] is not None]
-    return {
-        "prompts": len(rows),
-        "first_divergence": mean(row["first_divergence"] for row in rows),
-        "agreement": mean(row["agreement"] for row in rows),
-        "score": mean(scores) if scores else None,
-        "loops": sum(row["loop_excess"] >= LOOP_EXCESS for row in rows),
-    }
-
-
-def _span(data: dict[str, Any], output_len: int, task: str) -> str:
-    """The shortest and longest prompt of a task and output length, in tokens."""
-    lens = [p["prompt_len"] for p in data["prompts"].values() if p["output_len"] == output_len and p["task"] == task]
-    return f"{min(lens):,}-{max(lens):,}" if min(lens) != max(lens) else f"{min(lens):,}"
-
-
-def _cell(value: float | None, digits: int = 2) -> str:
-    return "—" if value is None else f"{value:.{digits}f}"
-
-
 def markdown(data: dict[str, Any]) -> str:
-    lengths = sorted({p["output_len"] for p in data["prompts"].values()})
     tasks = [t for t in TASKS if any(p["task"] == t for p in data["prompts"].values())]
     lines = [
         f"# Long outputs — {data['date']}",
@@ -252,49 +219,11 @@ def markdown(data: dict[str, Any]) -> str:
         f"- Server: `python -m sglang_kvsparse.launch_server {' '.join(data['server_args'])}` (the default preset; "
         "every system a request's own setting)",
         "",
-        "Against the full cache's output of the same prompt: **first divergence** (mean position of the first "
-        "different token), **agreement** (share of positions with the same token), **score** (the task's, mean "
-        f"over the checkable tasks), **loops** (outputs whose repeated {LOOP_NGRAM}-grams exceed the full cache's "
-        f"by {LOOP_EXCESS:.0%} of the output). `{FULL_AGAIN}` is the full cache asked again in another batch: "
-        "the noise floor.",
+        f"{METRICS} `{FULL_AGAIN}` is the full cache asked again in another batch: the noise floor.",
+        *length_tables(data),
+        "",
+        "kvpress's decoding-time compression: `bench/long_outputs_kvpress.py` (a report of its own).",
     ]
-    for output_len in lengths:
-        lines += [
-            "",
-            f"## {output_len:,} output tokens",
-            "",
-            "| system | prompts | first divergence | agreement | score | loops | "
-            + " | ".join(f"{t} score" for t in tasks if t != "continue")
-            + " |",
-            "|---|---:|---:|---:|---:|---:|" + "---:|" * len([t for t in tasks if t != "continue"]),
-        ]
-        for system in data["systems"]:
-            row = summary(data, system["label"], output_len)
-            if row is None:
-                continue
-            per_task = [summary(data, system["label"], output_len, t) for t in tasks if t != "continue"]
-            lines.append(
-                f"| {system['label']} | {row['prompts']} | {row['first_divergence']:.0f} | {row['agreement']:.2f} | "
-                f"{_cell(row['score'])} | {row['loops']} | "
-                + " | ".join(_cell(t["score"] if t else None) for t in per_task)
-                + " |"
-            )
-        spans = {t: _span(data, output_len, t) for t in tasks}
-        lines += [
-            "",
-            "First divergence by task (prompt tokens: "
-            + ", ".join(f"{t} {spans[t]}" for t in tasks)
-            + "; a prompt shorter than the budget is kept whole, so there only decode-time eviction acts):",
-            "",
-            "| system | " + " | ".join(tasks) + " |",
-            "|---|" + "---:|" * len(tasks),
-        ]
-        for system in data["systems"]:
-            per_task = [summary(data, system["label"], output_len, t) for t in tasks]
-            if any(per_task):
-                cells = ["—" if t is None else f"{t['first_divergence']:.0f}" for t in per_task]
-                lines.append(f"| {system['label']} | " + " | ".join(cells) + " |")
-    lines += ["", "kvpress's decoding-time compression: not run (kvpress is not installed with this project)."]
     return "\n".join(lines) + "\n"
 
 
