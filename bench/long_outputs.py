@@ -49,9 +49,7 @@ from kvsparse_testbed.long_outputs import (  # noqa: E402
     LONG_OUTPUT_SUITES,
     TASKS,
     LongOutputPrompt,
-    agreement,
-    first_divergence,
-    loop_excess,
+    measure,
 )
 
 FULL = "full"
@@ -93,17 +91,6 @@ def generate(base_url: str, input_ids: list[int], output_len: int, setting: dict
     response.raise_for_status()
     body = response.json()
     return {"output_ids": [int(t) for t in body["output_ids"]], "text": body["text"]}
-
-
-def measured(prompt: LongOutputPrompt, got: dict[str, Any], full: dict[str, Any]) -> dict[str, Any]:
-    """One answer's metrics against the full cache's answer of the same prompt."""
-    return {
-        **got,
-        "first_divergence": first_divergence(got["output_ids"], full["output_ids"]),
-        "agreement": agreement(got["output_ids"], full["output_ids"]),
-        "score": prompt.score(got["text"]),
-        "loop_excess": loop_excess(got["output_ids"], full["output_ids"]),
-    }
 
 
 def main() -> None:
@@ -158,7 +145,10 @@ def main() -> None:
     def save() -> None:
         asked = {
             prompt.prompt_id: {
-                label: measured(prompt, got, answers[prompt.prompt_id][FULL])
+                label: {
+                    **got,
+                    **measure(prompt, got["output_ids"], got["text"], answers[prompt.prompt_id][FULL]["output_ids"]),
+                }
                 for label, got in answers[prompt.prompt_id].items()
             }
             for prompt in prompts

@@ -56,10 +56,7 @@ from kvsparse_testbed.long_outputs import (
     LONG_COUNT_SUITE,
     LONG_OUTPUT_SUITES,
     TASKS,
-    LongOutputPrompt,
-    agreement,
-    first_divergence,
-    loop_excess,
+    measure,
 )
 from sglang_kvsparse.models import ModelUnavailableError, ensure_default_model
 
@@ -118,18 +115,6 @@ def answer(
             for handle in handles:
                 handle.remove()
     return output, largest
-
-
-def measured(prompt: LongOutputPrompt, output: list[int], text: str, reference: list[int]) -> dict[str, Any]:
-    """One output's metrics against the reference's output of the same prompt."""
-    return {
-        "output_ids": output,
-        "text": text,
-        "first_divergence": first_divergence(output, reference),
-        "agreement": agreement(output, reference),
-        "score": prompt.score(text),
-        "loop_excess": loop_excess(output, reference),
-    }
 
 
 def markdown(data: dict[str, Any]) -> str:
@@ -278,10 +263,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{number}/{len(prompts)}] {prompt.prompt_id} {label}: {time.monotonic() - tick:.0f} s", flush=True)
         if sglang is not None:
             mine[SGLANG_FULL] = sglang["answers"][prompt.prompt_id]["full"]["output_ids"]
-        reference = mine[FULL]
-        data["answers"][prompt.prompt_id] = {
-            label: measured(prompt, output, tokenizer.decode(output), reference) for label, output in mine.items()
-        }
+        measured = data["answers"][prompt.prompt_id] = {}
+        for label, output in mine.items():
+            text = tokenizer.decode(output)
+            measured[label] = {"output_ids": output, "text": text, **measure(prompt, output, text, mine[FULL])}
         write_json(paths, data)
         paths.markdown.write_text(markdown(data))
     print(f"[long-outputs-kvpress] {len(prompts)} prompts in {time.monotonic() - started:.0f} s: {paths.markdown}")

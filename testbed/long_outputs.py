@@ -21,6 +21,7 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvsparse_testbed.texts import essay_text
 
@@ -322,3 +323,14 @@ def loop_excess(output: Sequence[int], reference: Sequence[int]) -> float:
     """How much more of the output repeats itself than the full cache's output does (0 when no
     more): repetition the full cache does not have."""
     return max(0.0, repeated_share(output) - repeated_share(reference))
+
+
+def measure(prompt: LongOutputPrompt, output: Sequence[int], text: str, reference: Sequence[int]) -> dict[str, Any]:
+    """One output's metrics against the full cache's output of the same prompt (token ids; `text`
+    is the output's, for the task score): the record a long-output report keeps per answer."""
+    return {
+        "first_divergence": first_divergence(output, reference),
+        "agreement": agreement(output, reference),
+        "score": prompt.score(text),
+        "loop_excess": loop_excess(output, reference),
+    }

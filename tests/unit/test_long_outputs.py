@@ -16,6 +16,7 @@ from kvsparse_testbed.long_outputs import (
     first_divergence,
     long_output_prompts,
     loop_excess,
+    measure,
     repeated_share,
 )
 from tests.unit.test_bench_helpers import _fidelity_module
@@ -115,6 +116,20 @@ def test_a_loop_is_repetition_the_full_cache_does_not_have():
     assert loop_excess(looping, varied) == repeated_share(looping)
     assert loop_excess(looping, looping) == 0.0
     assert loop_excess(varied, looping) == 0.0
+
+
+def test_an_answers_record_holds_every_metric_against_the_full_caches_output():
+    prompt = _prompt("count")
+    start = int(prompt.reference[0])
+    full = list(range(200))
+    got = measure(prompt, [*range(50), *range(20)] * 2, f"{start}\n{start + 1}\n{start + 5}\n", full)
+    assert got == {
+        "first_divergence": 50,
+        "agreement": 50 / 200,
+        "score": 2 / 3,
+        "loop_excess": loop_excess([*range(50), *range(20)] * 2, full),
+    }
+    assert got["loop_excess"] > 0
 
 
 def _answer(first: int, agree: float, score: float | None, loop: float) -> dict:
