@@ -14,7 +14,11 @@ layer; ``--whole-layers 0`` leaves layer 0 whole as the project's default preset
 only the scoring differs. The scorers run at kvpress's defaults: TOVA
 (the newest query's attention), key norm and StreamingLLM (sink and newest). SnapKV is not run:
 it scores with a window of queries at their own rotary positions, and a decoding step's hook
-holds only the newest position's, so kvpress asserts or misplaces them.
+holds only the newest position's, so kvpress asserts or misplaces them. TOVA and key norm score by
+content; kvpress's StreamingLLM scores by index in the cache, and `ScorerPress.compress` keeps its
+top entries in score order, not in the sequence's (NVIDIA/kvpress#173), so after the first
+compression its "oldest" are no longer the oldest: those rows are kvpress's behaviour, not
+StreamingLLM's (`bench/long_outputs.py`'s `streamingllm` is).
 
 Each prompt is plain text tokenized as the server tokenizes it, answered greedily for exactly its
 output length (EOS ignored) by Hugging Face transformers (float32, sdpa, the converted default
