@@ -185,17 +185,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         budgets = sorted(int(b) for b in args.budgets.split(",") if b)
+        lengths = [int(n) for n in args.lengths.split(",") if n]
         whole = tuple(sorted({int(n) for n in args.whole_layers.split(",") if n}))
     except ValueError:
-        print("error: --budgets and --whole-layers take integers separated by commas", file=sys.stderr)
+        print("error: --budgets, --lengths and --whole-layers take integers separated by commas", file=sys.stderr)
         return 2
-    if args.interval < 1 or not budgets or budgets[0] < 1:
-        print("error: --interval and every --budget must be at least 1", file=sys.stderr)
+    if args.interval < 1 or not budgets or budgets[0] < 1 or (args.limit is not None and args.limit < 1):
+        print("error: --interval, --limit and every --budget must be at least 1", file=sys.stderr)
         return 2
     sglang = json.loads(args.sglang.read_text()) if args.sglang else None
     suite = LONG_OUTPUT_SUITES[args.suite]
     if sglang is not None and sglang["suite"]["sha256"] != suite.sha256:
         print(f"error: {args.sglang} is not a report of {suite.name}", file=sys.stderr)
+        return 2
+    prompts = [p for p in suite.prompts(lengths) if p.task in tasks][: args.limit]
+    missing = [p.prompt_id for p in prompts if sglang is not None and p.prompt_id not in sglang["answers"]]
+    if not prompts or missing:
+        print(
+            f"error: no prompt of --lengths and --tasks in {suite.name}, or not in --sglang: {missing}", file=sys.stderr
+        )
         return 2
     try:
         model_dir = ensure_default_model()
@@ -205,8 +213,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    prompts = [p for p in suite.prompts([int(n) for n in args.lengths.split(",")]) if p.task in tasks]
-    prompts = prompts[: args.limit] if args.limit else prompts
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     if any(not 0 <= n < model.config.num_hidden_layers for n in whole):
@@ -223,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     largest: dict[str, int] = {}
     if args.resume and paths.json.exists():
         earlier = json.loads(paths.json.read_text())
+        if (earlier["settings"]["interval"], earlier["settings"].get("whole_layers", [])) != (
+            args.interval,
+            list(whole),
+        ):
+            print(f"error: {paths.json} was made with another --interval or --whole-layers", file=sys.stderr)
+            return 2
         largest = earlier["settings"]["largest_cache"]
         for prompt_id, kept in earlier["answers"].items():
             outputs[prompt_id] = {label: got["output_ids"] for label, got in kept.items() if label != SGLANG_FULL}
