@@ -107,6 +107,9 @@ def main() -> None:
     )
     parser.add_argument("--render", action="store_true", help="rewrite --stem's markdown and plot, asking nothing")
     parser.add_argument("--max-total-tokens", type=int, default=98_304)
+    parser.add_argument(
+        "--kv-cache-dtype", help="the server's KV cache (fp8_e4m3, fp8_e5m2; default: the model's dtype)"
+    )
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--stem", default=f"long-outputs-{dt.date.today().isoformat()}")
     args = parser.parse_args()
@@ -123,7 +126,9 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",") if b]
     baselines = [p for p in args.baselines.split(",") if p]
     systems = systems_for(budgets, baselines, [int(b) for b in args.baseline_budgets.split(",") if b])
-    settings = dataclasses.replace(SERVER_SETTINGS, max_total_tokens=args.max_total_tokens)
+    settings = dataclasses.replace(
+        SERVER_SETTINGS, max_total_tokens=args.max_total_tokens, kv_cache_dtype=args.kv_cache_dtype
+    )
     # A full-cache request holds its prompt (the suite's are under 4,096 tokens) and its output in
     # its sparse rows, which the largest request budget sizes; the model's context is 8,192.
     flags = (
