@@ -171,6 +171,34 @@ def _long_out(name: str, server: ServerSettings, model: str) -> CapacityProfile:
     )
 
 
+def _fp8_llama(input_len: int, counts: tuple[int, int, int]) -> CapacityProfile:
+    """FP8 stacked with sparsity at Llama-3.1-8B's KV shape: requests of `input_len` + 32 tokens in
+    the KV bytes of a 16,384-token float32 pool, stock in float32 and in FP8 against the default in
+    FP8, sent `counts` requests (in that order: a few more than each can hold). Prefill chunks of
+    8,192 tokens, SGLang's on an H100 or H200: a prompt's earlier chunks wait in the sparse layers'
+    prefix store until its last chunk scores them, and this small pool feels that far more than a
+    GPU's."""
+    stock, stock_fp8, default = counts
+    return CapacityProfile(
+        name=f"fp8-llama-{input_len // 1000}k",
+        description="An FP8 KV cache stacked with sparsity at Llama-3.1-8B's KV shape (32 layers, 8 KV "
+        "heads, head dim 128, 131,072-token context; dummy weights, tiny hidden size): requests of "
+        f"{input_len:,} + 32 tokens in the KV bytes of a 16,384-token float32 pool, sent {stock} to stock "
+        f"in float32, {stock_fp8} to stock in FP8 (e4m3; on this CPU through the FP8 reference, "
+        f"`patches/cpu_fp8.py`) and {default} to the default preset in FP8, all at once; prefill chunks "
+        "of 8,192 tokens (SGLang's on an H100 or H200).",
+        server=replace(_cpu_server(16384, model="llama-3.1-8b", shape="kv"), chunked_prefill_size=8192),
+        workloads=(_one(input_len, 32, max(counts)),),
+        variants=(),
+        client_timeout_s=7200.0,
+        systems=(
+            System(STOCK, stock=True, requests=stock),
+            System("stock-fp8", stock=True, kv_dtype="fp8_e4m3", requests=stock_fp8),
+            System("default-fp8", PROJECT_DEFAULT, kv_dtype="fp8_e4m3", requests=default),
+        ),
+    )
+
+
 #: Gemma 3 270M with its three global layers full: its sliding layers keep their window, lossless.
 GEMMA_GLOBALS_FULL = ("--kvsparse-full-layers", "5,11,17")
 
@@ -276,6 +304,9 @@ PROFILES: dict[str, CapacityProfile] = {
             _cpu_server(16384, model="llama-3.1-8b", shape="kv"),
             "Llama-3.1-8B's KV shape: 32 layers, 8 KV heads, head dim 128; dummy weights, tiny hidden size",
         ),
+        # Each system is sent a few more requests than its equal-bytes bound.
+        _fp8_llama(4000, (6, 20, 60)),
+        _fp8_llama(16000, (2, 5, 40)),
         _gemma(4000, 16384, (6, 20, 20)),
         _gemma(16000, 32768, (4, 11, 23), dummy=True),
         CapacityProfile(

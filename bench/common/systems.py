@@ -47,6 +47,7 @@ class ServerSettings:
     shape: str = "full"  # a dummy model's shape: common.models.SHAPES
     tp_size: int = 1  # both systems' --tp-size
     kv_cache_dtype: str | None = None  # --kv-cache-dtype (None: the model's dtype)
+    chunked_prefill_size: int | None = None  # --chunked-prefill-size (None: SGLang's for the device)
 
     @property
     def on_gpu(self) -> bool:
@@ -86,6 +87,8 @@ def shared_server_args(settings: ServerSettings, model_dir: Path, load_args: lis
         args += ["--tp-size", str(settings.tp_size)]
     if settings.kv_cache_dtype is not None:
         args += ["--kv-cache-dtype", settings.kv_cache_dtype]
+    if settings.chunked_prefill_size is not None:
+        args += ["--chunked-prefill-size", str(settings.chunked_prefill_size)]
 
     if not settings.on_gpu:
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]

@@ -318,6 +318,26 @@ def test_a_capacity_system_sent_fewer_requests_is_said_in_the_report() -> None:
     assert not capacity.sent_fewer(report)
 
 
+def test_the_fp8_llama_profiles_give_every_system_the_same_bytes_in_h100_sized_chunks() -> None:
+    """fp8-llama-4k/16k: stock in float32 and FP8 against the default in FP8, the FP8 systems at four
+    times the float32 pool's tokens, prefill chunks of 8,192 passed to every server."""
+    capacity = _fidelity_module("capacity.py")
+    systems = _fidelity_module("common/systems.py")
+    for name in ("fp8-llama-4k", "fp8-llama-16k"):
+        profile = capacity.PROFILES[name]
+        assert [(s.name, s.kv_dtype) for s in profile.all_systems()] == [
+            ("stock", None),
+            ("stock-fp8", "fp8_e4m3"),
+            ("default-fp8", "fp8_e4m3"),
+        ]
+        tokens = [capacity.system_tokens(s, profile.server) for s in profile.all_systems()]
+        assert tokens == [16384, 65536, 65536]
+        args = systems.shared_server_args(profile.server, Path("/m"), [])
+        assert args[args.index("--chunked-prefill-size") + 1] == "8192"
+    plain = systems.shared_server_args(capacity.PROFILES["fp8"].server, Path("/m"), [])
+    assert "--chunked-prefill-size" not in plain
+
+
 def test_a_serving_profile_with_stock_fp8_gives_it_equal_bytes_and_its_own_ratios() -> None:
     """cpu-long-fp8: an FP8 system gets the float32 pool's bytes (four times its tokens); the
     ratios are taken to stock and to stock FP8, not of one stock system to the other; its dry run
