@@ -8,7 +8,8 @@ system (stock SGLang, then each project variant) this starts the server once wit
 then reads the most requests that ran at once from the server's ``#running-req`` log lines, and
 the KV bytes per request from ``GET /kvsparse/stats`` where the server answers it. Beside each
 measured ratio it shows the equal-bytes bound: what the project's heap layout admits per stock
-request at that length (`sglang_kvsparse.state.layout.capacity_ratio`, scores included). A system
+request at that length (`sglang_kvsparse.state.layout.capacity_ratio`, scores included), and that
+bound while one more prompt is at its prefill's peak (`free_at_prefill_peak`). A system
 may keep its KV cache in FP8 (`--kv-cache-dtype`): it then gets the same KV bytes as the others,
 so as many more dense tokens as its values are smaller, and every system is compared with every
 stock one (stock in the model's dtype, stock FP8).
@@ -50,11 +51,15 @@ from kvsparse_testbed.server import (
     ServerStartError,
     mean_decoding_requests,
     peak_running_requests,
+    pool_settings,
     retracted_requests,
 )
+from sglang_kvsparse.config import ResolvedSparsity
 from sglang_kvsparse.server.model_support import resolve_for_model
 from sglang_kvsparse.server.options import add_sparsity_arguments, sparsity_from_args
+from sglang_kvsparse.state.admission import prefill_extra_rows, waits_for_guide
 from sglang_kvsparse.state.layout import HeapLayout, capacity_ratio, scores_per_row
+from sglang_kvsparse.state.prefix_store import PrefixStore
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -306,7 +311,7 @@ PROFILES: dict[str, CapacityProfile] = {
         ),
         # Each system is sent a few more requests than its equal-bytes bound.
         _fp8_llama(4000, (6, 20, 60)),
-        _fp8_llama(16000, (2, 5, 40)),
+        _fp8_llama(16000, (2, 5, 34)),
         _gemma(4000, 16384, (6, 20, 20)),
         _gemma(16000, 32768, (4, 11, 23), dummy=True),
         CapacityProfile(
@@ -417,10 +422,12 @@ def measure_system(
         "kv_dtype": system.kv_dtype,
         "max_total_tokens": system_tokens(system, profile.server),
         "error": None,
+        "pool": None,
         "runs": [],
     }
     try:
         with server_for(system.name, flags, shared, profile.server, log_dir, say, system.stock) as server:
+            row["pool"] = pool_settings(server.log_since(0))
             for workload in profile.workloads:
                 say(f"[{system.name}] workload {workload.name}")
                 row["runs"].append(
@@ -432,49 +439,89 @@ def measure_system(
     return row
 
 
-def heap_bound(
-    flags: tuple[str, ...], model_config: dict[str, Any], length: int | None, value_bytes: int
-) -> float | None:
-    """Requests of `length` tokens the variant's heap admits per dense request of the same KV
-    values, at equal bytes (`value_bytes`: a stored K/V value's, which sets a row's scores)."""
-    if length is None:
-        return None
+def heap_layout(
+    flags: tuple[str, ...], model_config: dict[str, Any], value_bytes: int
+) -> tuple[ResolvedSparsity, HeapLayout] | None:
+    """The variant's sparsity on the model and its heap layout (`value_bytes`: a stored K/V
+    value's, which sets a row's scores); None with sparsity off."""
     parser = argparse.ArgumentParser()
     add_sparsity_arguments(parser)
     known, _ = parser.parse_known_args(list(flags))
     config = sparsity_from_args(known)
     if not config.enabled:
-        return 1.0
+        return None
     head_dim = model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
     layers, context = model_config["num_hidden_layers"], model_config["max_position_embeddings"]
     resolved = resolve_for_model(config, model_config, layers, context)
-    return capacity_ratio(HeapLayout.from_resolved(resolved, scores_per_row(head_dim, value_bytes)), length)
+    return resolved, HeapLayout.from_resolved(resolved, scores_per_row(head_dim, value_bytes))
+
+
+def heap_bound(
+    flags: tuple[str, ...], model_config: dict[str, Any], length: int | None, value_bytes: int
+) -> float | None:
+    """Requests of `length` tokens the variant's heap admits per dense request of the same KV
+    values, at equal bytes."""
+    if length is None:
+        return None
+    sparse = heap_layout(flags, model_config, value_bytes)
+    return 1.0 if sparse is None else capacity_ratio(sparse[1], length)
+
+
+def free_at_prefill_peak(
+    flags: tuple[str, ...], model_config: dict[str, Any], prompt_len: int, value_bytes: int, pool: list[Any] | None
+) -> float | None:
+    """Share of the system's pool (`pool`: its size in heap rows and its prefill chunk, as its
+    server logged them) left to requests while one more prompt of `prompt_len` tokens is at its
+    prefill's peak: what that prefill holds beyond its own request's rows (earlier chunks in the
+    prefix store, tokens waiting for the guide: `prefill_extra_rows`) is not free for the
+    others. The bound at equal bytes times this share is the most the layout can run at once
+    while requests keep arriving. 1.0 for stock, whose prefill holds nothing more."""
+    sparse = heap_layout(flags, model_config, value_bytes)
+    if sparse is None:
+        return 1.0
+    if pool is None:
+        return None
+    resolved, layout = sparse
+    rows, chunk = pool
+    store = PrefixStore.for_layout(layout, layout.page_size, resolved.config.sink)  # no rows: its arithmetic
+    guided = waits_for_guide(resolved, layout, prompt_len)
+    return max(1.0 - prefill_extra_rows(layout, store, prompt_len, chunk, guided) / rows, 0.0)
 
 
 def add_ratios(report: dict[str, Any], model_config: dict[str, Any], dtype: str) -> None:
-    """Per run: its peak over each stock system's on the same workload, and the equal-bytes bound
-    against it: the heap layout's (project systems) times how many more values the same bytes
-    hold (an FP8 cache against one in the model's dtype). `ratio_to_stock` and `bound` are
-    against stock in the model's dtype."""
+    """Per run: its peak over each stock system's on the same workload, the equal-bytes bound
+    against it (the heap layout's, project systems, times how many more values the same bytes
+    hold: an FP8 cache against one in the model's dtype) and that bound while one more prompt is
+    at its prefill's peak (`free_at_prefill_peak`). `ratio_to_stock`, `bound` and
+    `bound_at_peak` are against stock in the model's dtype."""
     lengths = {w["name"]: w["length"] for w in report["workloads"]}
+    prompts = {w["name"]: w["parts"][0]["input_len"] for w in report["workloads"]}
     stocks = [s for s in report["systems"] if s["stock"]]
     peaks = {s["name"]: {run["workload"]: run["peak_running"] for run in s["runs"]} for s in stocks}
     for system in report["systems"]:
         mine = kv_value_bytes(dtype, system.get("kv_dtype"))
+        flags = tuple(system["flags"])
         for run in system["runs"]:
-            layout = 1.0
+            length = lengths[run["workload"]]
+            layout, free = 1.0, 1.0
             if not system["stock"]:
-                layout = heap_bound(tuple(system["flags"]), model_config, lengths[run["workload"]], mine)
+                layout = heap_bound(flags, model_config, length, mine)
+                free = free_at_prefill_peak(flags, model_config, prompts[run["workload"]], mine, system.get("pool"))
             run["against"] = {}
             for stock in stocks:
                 base = peaks[stock["name"]].get(run["workload"])
-                bytes_ratio = kv_value_bytes(dtype, stock.get("kv_dtype")) / mine
+                bound = None if layout is None else layout * kv_value_bytes(dtype, stock.get("kv_dtype")) / mine
                 run["against"][stock["name"]] = {
                     "ratio": run["peak_running"] / base if base and run["peak_running"] else None,
-                    "bound": None if layout is None else layout * bytes_ratio,
+                    "bound": bound,
+                    "bound_at_peak": None if bound is None or free is None else bound * free,
                 }
-            main = run["against"].get(STOCK, {"ratio": None, "bound": None})
-            run["ratio_to_stock"], run["bound"] = main["ratio"], main["bound"]
+            main = run["against"].get(STOCK, {"ratio": None, "bound": None, "bound_at_peak": None})
+            run["ratio_to_stock"], run["bound"], run["bound_at_peak"] = (
+                main["ratio"],
+                main["bound"],
+                main["bound_at_peak"],
+            )
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -498,9 +545,9 @@ def markdown(report: dict[str, Any]) -> str:
         + (" (a system sent fewer: its done/sent)" if sent_fewer(report) else ""),
         "",
         "| system | workload | done/sent | peak running req | ratio to stock | equal-bytes bound | "
-        "mean running while decoding | retracted | output tok/s (x stock) | "
+        "bound, a prefill at its peak | mean running while decoding | retracted | output tok/s (x stock) | "
         "KV bytes/req | KV bytes/req per layer (by kind) | KV source |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     stock_tok_s = {
         run["workload"]: run["output_tok_s"]
@@ -510,26 +557,32 @@ def markdown(report: dict[str, Any]) -> str:
     }
     for system in report["systems"]:
         if system["error"]:
-            lines.append(f"| {system['name']} | failed: {system['error']} | | | | | | | | | | |")
+            lines.append(f"| {system['name']} | failed: {system['error']} | | | | | | | | | | | |")
         for run in system["runs"]:
             mean = f"{run['mean_decoding']:.1f}" if run["mean_decoding"] is not None else "—"
             base = stock_tok_s.get(run["workload"])
             tok_s = f"{run['output_tok_s']:.1f}" + (f" ({run['output_tok_s'] / base:.2f}x)" if base else "")
             ratio = f"{run['ratio_to_stock']:.2f}" if run["ratio_to_stock"] is not None else "—"
             bound = f"{run['bound']:.2f}" if run["bound"] is not None else "—"
+            at_peak = _number(run.get("bound_at_peak"))
             per_layer = ", ".join(
                 f"{kind} {value:,.0f}" for kind, value in run["kv_bytes_per_request_per_layer"].items()
             )
             peak = run["peak_running"] if run["peak_running"] is not None else "—"
             lines.append(
                 f"| {system['name']} | {run['workload']} | {run['completed']}/{run['sent']} | {peak} | {ratio} | "
-                f"{bound} | {mean} | {run['retracted']} | {tok_s} | "
+                f"{bound} | {at_peak} | {mean} | {run['retracted']} | {tok_s} | "
                 f"{run['kv_bytes_per_request']:,.0f} | {per_layer} | {run['kv_bytes_source']} |"
             )
     stocks = [s["name"] for s in report["systems"] if s["stock"]]
     if len(stocks) > 1:
-        lines += ["", "Against every stock system (peak running requests over its, and the equal-bytes bound):", ""]
-        lines += ["| system | workload | " + " | ".join(f"over {name} (bound)" for name in stocks) + " |"]
+        lines += [
+            "",
+            "Against every stock system (peak running requests over its; the equal-bytes bound, and "
+            "that bound with a prefill at its peak):",
+            "",
+        ]
+        lines += ["| system | workload | " + " | ".join(f"over {name} (bound; at peak)" for name in stocks) + " |"]
         lines += ["|---|---|" + "---:|" * len(stocks)]
         for system in report["systems"]:
             for run in system["runs"]:
@@ -538,7 +591,7 @@ def markdown(report: dict[str, Any]) -> str:
                     cell = run["against"][name]
                     ratio = "—" if cell["ratio"] is None else f"{cell['ratio']:.2f}"
                     bound = "—" if cell["bound"] is None else f"{cell['bound']:.2f}"
-                    cells.append(f"{ratio} ({bound})")
+                    cells.append(f"{ratio} ({bound}; {_number(cell.get('bound_at_peak'))})")
                 lines.append(f"| {system['name']} | {run['workload']} | " + " | ".join(cells) + " |")
     lines += ["", "Systems:", ""]
     for system in report["systems"]:
@@ -554,12 +607,20 @@ def markdown(report: dict[str, Any]) -> str:
         "SGLang admits a request by its full length and keeps room for the running requests' future "
         "tokens, so both systems admit fewer than the memory alone would hold. Equal-bytes bound: "
         "what the heap layout holds per request stock holds at the workload's final length, scores "
-        "included (computed from the layout, not measured). KV bytes per request are measured when "
+        "included (computed from the layout, not measured). Bound, a prefill at its peak: the same "
+        "while one more prompt of the workload is at its prefill's peak, whose earlier chunks wait in "
+        "the prefix store and whose last chunk's tokens wait for the guide in every sparse layer "
+        "(`prefill_extra_rows`, over the pool the server logged): in a pool of few dense requests "
+        "that wait is a large share of the memory; computed, not measured. KV bytes per request are measured when "
         "they peaked (K+V and the sparse entries' scores). All systems get the same KV bytes "
         "(--max-total-tokens counts dense tokens: an FP8 system gets as many more as its values are "
         "smaller).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _number(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
 
 
 def sent_fewer(report: dict[str, Any]) -> bool:
@@ -573,7 +634,8 @@ def _span(length: int, ratio: float) -> str:
 
 
 def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
-    """Running requests over stock's against prompt length, with the bound and stock drawn."""
+    """Running requests over stock's against prompt length, with the bounds (where a prefill's
+    peak lowers one, both) and stock drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -594,6 +656,11 @@ def write_plot(paths: ReportPaths, report: dict[str, Any]) -> None:
             linestyle=":",
             label=f"{system['name']} equal-bytes bound",
         )
+        at_peak = [run.get("bound_at_peak") for run in single]
+        if all(value is not None for value in at_peak) and at_peak != [run["bound"] for run in single]:
+            axis.plot(
+                lengths, at_peak, marker="+", linestyle="--", label=f"{system['name']} bound, a prefill at its peak"
+            )
         for run in system["runs"]:
             if run["bound"] is None and run["ratio_to_stock"] is not None:
                 axis.axhline(

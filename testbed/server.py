@@ -30,6 +30,7 @@ _RUNNING_RE = re.compile(r"#running-req: (\d+)")
 _NEW_SEQ_RE = re.compile(r"#new-seq: (\d+)")
 _DECODE_RE = re.compile(r"Decode batch, #running-req: (\d+)")
 _RETRACTED_RE = re.compile(r"Retract requests\. #retracted_reqs: (\d+)")
+_POOL_RE = re.compile(r"max_total_num_tokens=(\d+), chunked_prefill_size=(-?\d+|None)")
 
 
 class ServerStartError(RuntimeError):
@@ -82,6 +83,16 @@ def peak_running_requests(log_text: str) -> int | None:
             count += int(new_seq.group(1))
         peak = count if peak is None else max(peak, count)
     return peak
+
+
+def pool_settings(log_text: str) -> tuple[int, int | None] | None:
+    """SGLang's KV pool in its own units (tokens; heap rows with the project's sparse layers) and
+    its prefill chunk (None: not chunked), from the scheduler's startup line; None without it."""
+    match = _POOL_RE.search(log_text)
+    if match is None:
+        return None
+    chunk = None if match.group(2) == "None" or int(match.group(2)) <= 0 else int(match.group(2))
+    return int(match.group(1)), chunk
 
 
 def mean_decoding_requests(log_text: str) -> float | None:

@@ -168,14 +168,23 @@ def _count_lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
+#: Longest a `/kvsparse/stats` probe waits: longer than any forward of a CPU run.
+PROBE_TIMEOUT_S = 900.0
+
+
 class KvStatsPoller:
     """Samples ``GET /kvsparse/stats`` during a run, for the KV bytes each request really holds.
 
     The project's server answers it with ``kv_bytes_in_use``, ``requests_running`` and per-layer
     ``slots_in_use``. A server that does not (stock SGLang) answers 404 at the first probe; the
     poller then stops and :attr:`available` stays False, so the report falls back to the dense
-    figure and says so. A probe that times out (the scheduler answers between forwards, and a
-    long CPU prefill delays it) is skipped, not taken for a missing endpoint.
+    figure and says so.
+
+    One probe is in flight at a time, and it waits as long as a forward may take
+    (`PROBE_TIMEOUT_S`): the scheduler answers between forwards, and SGLang's HTTP server queues
+    the queries behind one another, so a probe given up on still waits there and every later probe
+    would queue behind it, never answered while long forwards run. A probe that still times out is
+    skipped, not taken for a missing endpoint.
     """
 
     def __init__(self, base_url: str, interval_s: float = 1.0) -> None:
@@ -211,7 +220,7 @@ class KvStatsPoller:
     def _sample(self) -> bool:
         """Take one sample; False when the server has no usable stats endpoint."""
         try:
-            response = requests.get(self._url, timeout=30)
+            response = requests.get(self._url, timeout=PROBE_TIMEOUT_S)
         except requests.Timeout:
             return True
         except requests.RequestException:

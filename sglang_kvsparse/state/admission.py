@@ -33,6 +33,9 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from sglang_kvsparse.config import ResolvedSparsity
+    from sglang_kvsparse.state.layout import HeapLayout
+    from sglang_kvsparse.state.prefix_store import PrefixStore
     from sglang_kvsparse.state.sparse_state import SparseState
 
 #: Tokens a prompt admitted this round must add to a waiting request's cache hit for it to wait.
@@ -51,16 +54,25 @@ def request_rows_to_hold(state: SparseState, req_idx: int, final_len: int) -> in
 
 
 def prefill_peak_rows(state: SparseState, prompt_len: int, chunk_size: int | None, budget: int = 0) -> int:
-    """Most heap rows a prompt's prefill holds: its SGLang ids and entries, and, prefilled in
-    chunks of `chunk_size`, its earlier chunks in the prefix store until the last chunk has
-    read them, and, when it keeps by the guide, its last forward's tokens for the length of
-    that forward (`guide_rows`): together at most one row per sparse layers' column and
-    token, and in the sliding columns what they still read (`PrefixStore.chunked_rows`)."""
-    held = state.layout.rows_held(prompt_len, budget)
-    chunked = chunk_size is not None and 0 < chunk_size < prompt_len and state.store is not None
-    if chunked:
-        return held + state.store.chunked_rows(prompt_len, chunk_size)
-    return held + (state.layout.guide_rows(prompt_len) if waits_for_guide(state, prompt_len, budget) else 0)
+    """Most heap rows a prompt's prefill holds: its SGLang ids and entries (`rows_held`) and
+    what its prefill holds beyond them (`prefill_extra_rows`)."""
+    guided = waits_for_guide(state.resolved, state.layout, prompt_len, budget)
+    extra = prefill_extra_rows(state.layout, state.store, prompt_len, chunk_size, guided)
+    return state.layout.rows_held(prompt_len, budget) + extra
+
+
+def prefill_extra_rows(
+    layout: HeapLayout, store: PrefixStore | None, prompt_len: int, chunk_size: int | None, guided: bool
+) -> int:
+    """Heap rows a prompt's prefill holds at its peak beyond the request's own: prefilled in
+    chunks of `chunk_size` (with a prefix `store`), its earlier chunks in the store until the
+    last chunk has read them, and, kept by the guide (`guided`), its last forward's tokens for
+    the length of that forward (`guide_rows`): together at most one row per sparse layers'
+    column and token, and in the sliding columns what they still read
+    (`PrefixStore.chunked_rows`)."""
+    if store is not None and chunk_size is not None and 0 < chunk_size < prompt_len:
+        return store.chunked_rows(prompt_len, chunk_size)
+    return layout.guide_rows(prompt_len) if guided else 0
 
 
 def prefill_charge(
@@ -80,16 +92,24 @@ def prefill_charge(
 def prefill_guide_rows(state: SparseState, prefix_len: int, end: int, fill_len: int, budget: int = 0) -> int:
     """Of `prefill_charge`, the rows a guided prefill's last forward (tokens [prefix_len, end)
     of a prefill reaching `fill_len`) takes only until it has been issued (`guide_rows`)."""
-    last = end >= fill_len or state.store is None
-    return state.layout.guide_rows(end - prefix_len) if last and waits_for_guide(state, fill_len, budget) else 0
+    if end < fill_len and state.store is not None:  # a chunk before the last: stored, not waiting
+        return 0
+    return (
+        state.layout.guide_rows(end - prefix_len)
+        if waits_for_guide(state.resolved, state.layout, fill_len, budget)
+        else 0
+    )
 
 
-def waits_for_guide(state: SparseState, seq_len: int, budget: int = 0) -> bool:
-    """Whether a prefill reaching `seq_len` tokens at this `budget` (0: the groups') keeps by
-    the guide in some group, so that its new tokens wait for it (`guide_rows`)."""
+def waits_for_guide(resolved: ResolvedSparsity, layout: HeapLayout, seq_len: int, budget: int = 0) -> bool:
+    """Whether a prefill reaching `seq_len` tokens at this `budget` (0: each group's) keeps by
+    the guide in some group of sparse layers (sliding groups keep by recency), so that its new
+    tokens wait for it (`guide_rows`)."""
     lengths = torch.tensor([seq_len])
-    for group in state.groups:
-        guided = group.guided(state.resolved, torch.tensor([budget]), lengths)
+    for spec in layout.groups:
+        if spec.sliding_window:
+            continue
+        guided = resolved.guided(torch.tensor([budget or spec.budget]), lengths)
         if guided is not None and bool(guided.any()):
             return True
     return False

@@ -338,6 +338,59 @@ def test_the_fp8_llama_profiles_give_every_system_the_same_bytes_in_h100_sized_c
     assert "--chunked-prefill-size" not in plain
 
 
+POOL_LINE = (
+    "[2026-12-06 22:34:27] max_total_num_tokens=2097152, chunked_prefill_size=8192, max_prefill_tokens=16384, "
+    "max_running_requests=2048, context_len=131072, available_cpu_mem=13.84 GB"
+)
+
+
+def test_the_pool_and_its_chunk_are_read_from_the_servers_startup_line() -> None:
+    assert server.pool_settings("noise\n" + POOL_LINE + "\n") == (2097152, 8192)
+    assert server.pool_settings(POOL_LINE.replace("=8192", "=-1")) == (2097152, None)
+    assert server.pool_settings(POOL_LINE.replace("=8192", "=None")) == (2097152, None)
+    assert server.pool_settings("Decode batch, #running-req: 2\n") is None
+
+
+@pytest.mark.parametrize("chunk", [8192, None])
+def test_the_bound_at_a_prefills_peak_leaves_out_its_prompt_in_every_sparse_layer(chunk: int | None) -> None:
+    """Llama-3.1-8B's shape, the default in FP8 on a pool of 2,097,152 rows (65,536 dense FP8
+    tokens): a 16,000-token prompt, chunked (earlier chunks in the prefix store, the last waiting
+    for the guide) or whole (all waiting for the guide), holds one row per token in each of the
+    31 sparse layers at its peak; a 4,000-token one, kept by each layer's own scores in one chunk,
+    holds nothing more. Stock's bound is 1 either way."""
+    capacity = _fidelity_module("capacity.py")
+    config = json.loads((BENCH / "models" / "llama-3.1-8b" / "config.json").read_text())
+    pool = [2097152, chunk]
+    systems = [
+        {"name": "stock", "stock": True, "flags": [], "kv_dtype": None, "pool": [16384, chunk], "runs": []},
+        {
+            "name": "default-fp8",
+            "stock": False,
+            "flags": ["--kvsparse-preset", "default"],
+            "kv_dtype": "fp8_e4m3",
+            "pool": pool,
+            "runs": [],
+        },
+    ]
+    workloads = []
+    for prompt, stock_peak, peak in ((16000, 1, 32), (4000, 4, 55)):
+        name = f"w{prompt}"
+        workloads.append({"name": name, "length": prompt + 32, "parts": [{"input_len": prompt, "output_len": 32}]})
+        systems[0]["runs"].append({"workload": name, "peak_running": stock_peak})
+        systems[1]["runs"].append({"workload": name, "peak_running": peak})
+    report = {"workloads": workloads, "systems": systems}
+    capacity.add_ratios(report, config, "float32")
+    stock_16k, stock_4k = systems[0]["runs"]
+    assert stock_16k["bound"] == stock_16k["bound_at_peak"] == 1.0
+    long, short = systems[1]["runs"]
+    assert long["ratio_to_stock"] == 32.0 and short["ratio_to_stock"] == 55 / 4
+    assert long["bound_at_peak"] == pytest.approx(long["bound"] * (1 - 16000 * 31 / 2097152))
+    assert short["bound_at_peak"] == short["bound"] > 13
+    with_no_pool = {**systems[1], "pool": None, "runs": [{"workload": "w4000", "peak_running": 55}]}
+    capacity.add_ratios({"workloads": workloads, "systems": [systems[0], with_no_pool]}, config, "float32")
+    assert with_no_pool["runs"][0]["bound_at_peak"] is None and with_no_pool["runs"][0]["bound"] > 13
+
+
 def test_a_serving_profile_with_stock_fp8_gives_it_equal_bytes_and_its_own_ratios() -> None:
     """cpu-long-fp8: an FP8 system gets the float32 pool's bytes (four times its tokens); the
     ratios are taken to stock and to stock FP8, not of one stock system to the other; its dry run

@@ -225,10 +225,11 @@ def test_admission_charges_the_rows_a_guided_prefill_waits_in():
         prefix_cache=True,
     )
     columns = state.layout.num_columns
-    assert waits_for_guide(state, 23) and not waits_for_guide(state, 17) and not waits_for_guide(state, 6)
+    guided = [waits_for_guide(state.resolved, state.layout, length) for length in (23, 17, 6)]
+    assert guided == [True, False, False]
     assert prefill_charge(state, 0, 23, 23, 40) == rows_to_hold(state, 40) + 23 * columns
     assert prefill_charge(state, 0, 17, 17, 40) == rows_to_hold(state, 40)
-    assert not waits_for_guide(state, 23, budget=12)  # a request's own budget: 12 >= 0.45 x 23
+    assert not waits_for_guide(state.resolved, state.layout, 23, budget=12)  # a request's own budget: 12 >= 0.45 x 23
     assert prefill_charge(state, 0, 23, 23, 40, budget=12) == rows_to_hold(state, 40, 12)
     # Chunks of 8: the earlier chunks go to the prefix store; the last forward's 7 tokens wait.
     assert prefill_charge(state, 0, 8, 23, 40) == 8 * state.store.rows_per_block
