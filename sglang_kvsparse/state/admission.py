@@ -103,13 +103,11 @@ def prefill_guide_rows(state: SparseState, prefix_len: int, end: int, fill_len: 
 
 def waits_for_guide(resolved: ResolvedSparsity, layout: HeapLayout, seq_len: int, budget: int = 0) -> bool:
     """Whether a prefill reaching `seq_len` tokens at this `budget` (0: each group's) keeps by
-    the guide in some group of sparse layers (sliding groups keep by recency), so that its new
-    tokens wait for it (`guide_rows`)."""
+    the guide in some group (`GroupSpec.guided`), so that its new tokens wait for it
+    (`guide_rows`)."""
     lengths = torch.tensor([seq_len])
     for spec in layout.groups:
-        if spec.sliding_window:
-            continue
-        guided = resolved.guided(torch.tensor([budget or spec.budget]), lengths)
+        guided = spec.guided(resolved, torch.tensor([budget]), lengths)
         if guided is not None and bool(guided.any()):
             return True
     return False

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from sglang_kvsparse.config import ResolvedSparsity
 
 
@@ -64,6 +66,19 @@ class GroupSpec:
     @property
     def layers(self) -> tuple[int, ...]:
         return tuple(layer for column in self.columns for layer in column.layers)
+
+    def budgets(self, own: torch.Tensor) -> torch.Tensor:
+        """The budgets in this group of requests with these own budgets (0: the group's): the
+        group's in a sliding group, whose budget is what its layers' attention reads."""
+        if self.sliding_window:
+            return torch.full_like(own, self.budget)
+        return torch.where(own > 0, own, self.budget)
+
+    def guided(self, resolved: ResolvedSparsity, own: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
+        """Which requests with these own budgets (`budgets`) and whole sequence lengths a
+        selecting prefill keeps by the guide here (`ResolvedSparsity.guided`); None where none
+        does: without guide layers, and in a sliding group, which keeps by recency."""
+        return None if self.sliding_window else resolved.guided(self.budgets(own), seq_lens)
 
     def columns_on_lane(self, lane: int) -> int:
         """How many columns have a layer on `lane`: they are the group's first ones (only a

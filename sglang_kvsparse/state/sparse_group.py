@@ -97,17 +97,12 @@ class SparseGroup:
         return len(self.spec.columns)
 
     def budgets(self, own: torch.Tensor) -> torch.Tensor:
-        """The budgets in this group of requests with these own budgets (0: the group's): the
-        group's in a sliding group, whose budget is what its layers' attention reads."""
-        if self.spec.sliding_window:
-            return torch.full_like(own, self.spec.budget)
-        return torch.where(own > 0, own, self.spec.budget)
+        """`GroupSpec.budgets`."""
+        return self.spec.budgets(own)
 
     def guided(self, resolved: ResolvedSparsity, own: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
-        """Which requests with these own budgets (`budgets`) and whole sequence lengths a
-        selecting prefill keeps by the guide here (`ResolvedSparsity.guided`); None where none
-        does: without guide layers, and in a sliding group, which keeps by recency."""
-        return None if self.spec.sliding_window else resolved.guided(self.budgets(own), seq_lens)
+        """`GroupSpec.guided`."""
+        return self.spec.guided(resolved, own, seq_lens)
 
     def max_entries(self, own: torch.Tensor, evict_page: int, context_len: int) -> torch.Tensor:
         """The most entries in this group of requests with these own budgets (`budgets`): they

@@ -380,7 +380,7 @@ def test_the_bound_at_a_prefills_peak_leaves_out_its_prompt_in_every_sparse_laye
         systems[1]["runs"].append({"workload": name, "peak_running": peak})
     report = {"workloads": workloads, "systems": systems}
     capacity.add_ratios(report, config, "float32")
-    stock_16k, stock_4k = systems[0]["runs"]
+    stock_16k = systems[0]["runs"][0]
     assert stock_16k["bound"] == stock_16k["bound_at_peak"] == 1.0
     long, short = systems[1]["runs"]
     assert long["ratio_to_stock"] == 32.0 and short["ratio_to_stock"] == 55 / 4
