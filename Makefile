@@ -24,7 +24,7 @@ test-unit:
 	$(PYTEST) tests/unit -q
 
 test-kernels:
-	$(PYTEST) tests/kernels -q
+	$(PYTEST) tests/kernels -q -m "not extended"
 
 test-integration:
 	$(PYTEST) tests/integration -q
@@ -44,6 +44,7 @@ EXTENDED_APART = tests/e2e/test_server_options.py tests/e2e/test_parallel_servin
 	tests/e2e/test_bench_gpu_check_dry_run.py tests/e2e/test_bench_selection_probe.py
 
 test-extended: setup
+	$(PYTEST) tests/kernels -q -m "extended" --durations=5
 	$(PYTEST) tests/e2e -q -m "extended" $(addprefix --ignore=,$(EXTENDED_APART) $(APART)) --durations=5
 	$(PYTEST) $(EXTENDED_APART) -q -m "extended" --durations=5
 	$(PYTEST) tests/e2e/test_fp8.py -q -m "extended" --durations=5

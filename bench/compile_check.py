@@ -3,6 +3,7 @@
   python bench/compile_check.py                      # sm_90 with this environment's Triton and,
                                                      # where set up, the lent GPU's (Triton 3.6)
   python bench/compile_check.py --out-dir DIR        # also write compile-sm90-<date>.{json,md}
+  python bench/compile_check.py --cases core         # the kernel tier's share (see `core`)
 
 Each kernel is driven through its own launch wrapper (`kernels.*_triton`), with small CPU tensors
 of a served shape (head dims 64 / 128 / 256, bf16 / fp16 / fp32, GQA groups 1 / 4 / 8, every
@@ -120,6 +121,17 @@ def cases() -> list[Case]:
             out.append(Case("write", d, "bfloat16", 1, PER_ROW, kv))
             out.append(Case("evict", d, "bfloat16", 1, str(EVICT_ROWS[1]), kv))
     return out
+
+
+def core(case: Case) -> bool:
+    """The kernel tier's share of `cases()`: every kernel and variant (FP8 K/V included) at every
+    head dim in bfloat16, the GPU's dtype, with GQA group 4 (Llama-3.1-8B's) and every group at
+    head dim 128. float16, float32 (whose IEEE dots take tiles of their own) and the other groups
+    at 64 and 256 compile in the extended tier and in the report."""
+    return case.dtype == "bfloat16" and (case.head_dim == 128 or case.group == 4 or case.family in ("write", "evict"))
+
+
+CASE_SETS: dict[str, Callable[[Case], bool]] = {"all": lambda case: True, "core": core}
 
 
 # -- the worker: one Triton, in this process -------------------------------------------------
@@ -307,7 +319,7 @@ def check(
     return results
 
 
-def worker(arch: int, out: Path, only: str | None) -> None:
+def worker(arch: int, out: Path, only: str | None, case_set: str) -> None:
     """Run the check with this process's Triton and write its results as JSON."""
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvsparse-compile-")  # every kernel compiled here
     os.environ.pop("TRITON_INTERPRET", None)  # the GPU's code path: native dots, GPU tile sizes
@@ -317,7 +329,8 @@ def worker(arch: int, out: Path, only: str | None) -> None:
     importable()
     import triton
 
-    selected = [c for c in cases() if only is None or c.family in only.split(",")]
+    wanted = CASE_SETS[case_set]
+    selected = [c for c in cases() if wanted(c) and (only is None or c.family in only.split(","))]
     results = check(arch, selected, lambda line: print(f"[compile triton {triton.__version__}] {line}", flush=True))
     out.write_text(json.dumps({"triton": triton.__version__, "results": [_row(r) for r in results]}, indent=1))
 
@@ -340,7 +353,7 @@ def tritons() -> list[tuple[str, Path | None]]:
     return found
 
 
-def run_all(arch: int, only: str | None = None) -> list[dict[str, Any]]:
+def run_all(arch: int, only: str | None = None, case_set: str = "all") -> list[dict[str, Any]]:
     """Each Triton's results, one process each (a Triton is imported once per process), the
     processes side by side."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -350,7 +363,7 @@ def run_all(arch: int, only: str | None = None) -> list[dict[str, Any]]:
             env = dict(os.environ)
             if path is not None:
                 env["PYTHONPATH"] = os.pathsep.join([str(path), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-            command = [sys.executable, __file__, "--worker", str(out), "--arch", str(arch)]
+            command = [sys.executable, __file__, "--worker", str(out), "--arch", str(arch), "--cases", case_set]
             if only:
                 command += ["--only", only]
             started.append((label, out, subprocess.Popen(command, env=env)))
@@ -461,12 +474,13 @@ def main() -> int:
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90: Hopper)")
     parser.add_argument("--out-dir", type=Path, help="write compile-sm<arch>-<date>.{json,md} there")
     parser.add_argument("--only", help="kernel families, comma-separated (default: all)")
+    parser.add_argument("--cases", choices=sorted(CASE_SETS), default="all", help="every case, or the kernel tier's")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        worker(args.arch, args.worker, args.only)
+        worker(args.arch, args.worker, args.only, args.cases)
         return 0
-    runs = run_all(args.arch, args.only)
+    runs = run_all(args.arch, args.only, args.cases)
     bad = failures(runs)
     if args.out_dir is not None:
         sys.path.insert(0, str(ROOT / "bench"))

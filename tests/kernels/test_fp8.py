@@ -125,8 +125,10 @@ def test_prefill_and_window_scores_read_fp8(fmt, scales):
             k_scale=scales[0],
         )
         outs[backend] = (o, lse, s)
-    for mine, theirs in zip(outs["triton"], outs["torch"]):
-        assert rel_error(mine, theirs) <= 1e-5
+    # scores are exp(logit - lse) with each backend's own lse: its float32 rounding grows with the
+    # logits' size (e5m2's large values), hence the decode test's looser bound on scores
+    for mine, theirs, bound in zip(outs["triton"], outs["torch"], (1e-5, 1e-5, 1e-4)):
+        assert rel_error(mine, theirs) <= bound
     idx = batch.kv_indices
     want_o, want_lse = dense_attention(
         q,
