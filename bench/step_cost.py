@@ -264,6 +264,7 @@ class Harness:
             "batch": len(rows),
             "evicting": evicting,
             "launches": {section: cost.launches[section] for section in SECTIONS},
+            "host_ops": {section: cost.host_ops[section] for section in SECTIONS},
             "syncs": {section: cost.syncs[section] for section in SECTIONS},
             "sync_kinds": {kind: n for kind, n in cost.sync_kinds.items() if kind.split(":")[0] in SECTIONS},
             "host_ms": {section: 1000 * seconds for section, seconds in timings.items()},
@@ -359,6 +360,7 @@ def summarize(run: Run, sparse_layers: int) -> dict[str, Any]:
             "launches_per_layer_max": max(totals) / sparse_layers,
             "outside_graph_mean": sum(sum(step["launches"][s] for s in OUTSIDE_GRAPH) for step in steps) / len(steps),
             "by_section_mean": {s: sum(step["launches"][s] for step in steps) / len(steps) for s in SECTIONS},
+            "host_ops_before_replay_mean": sum(step["host_ops"][BEFORE_REPLAY] for step in steps) / len(steps),
             "syncs_mean": sum(syncs) / len(syncs),
             "syncs_max": max(syncs),
             "syncs_by_section_mean": {s: sum(step["syncs"][s] for step in steps) / len(steps) for s in SECTIONS},
@@ -394,12 +396,13 @@ def markdown(report: dict[str, Any]) -> str:
         "drives the backend (allocation hook; before the replay `SparseForward.begin_replay`: marks, plan, "
         "evictions, the graph's buffers filled; the sparse layers over those buffers; release), counted per "
         "op (`bench/common/device_cost.py`), each project kernel as its Triton launches. Per layer = per "
-        "step / sparse layers.",
+        "step / sparse layers. Host ops: every tensor op the host dispatches before the replay, on the host "
+        "or the device, views and allocations included (each costs the host microseconds, launch or not).",
         "",
         "| batch | steps (evicting) | launches/step | per layer, all steps | per layer, eviction steps (max) "
         "| per layer, other steps | syncs/step (max) | outside a captured graph, per step "
-        "| host ms: alloc / before replay / release |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| host ops before replay, per step | host ms: alloc / before replay / release |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in report["runs"]:
         every, evicting, other = row["all_steps"], row["eviction_steps"], row["other_steps"]
@@ -415,6 +418,7 @@ def markdown(report: dict[str, Any]) -> str:
             + " | "
             + (f"{other['launches_per_layer_mean']:.2f}" if other["steps"] else "—")
             + f" | {every['syncs_mean']:.2f} ({every['syncs_max']}) | {every['outside_graph_mean']:.1f} | "
+            f"{every['host_ops_before_replay_mean']:.0f} | "
             f"{host['allocation']:.2f} / {host[BEFORE_REPLAY]:.2f} / {host['release']:.2f} |"
         )
     runs = report["runs"]
@@ -445,17 +449,21 @@ def markdown(report: dict[str, Any]) -> str:
     for before in report.get("before") or ():
         lines += [
             "",
-            f"## Before (commit `{before['provenance']['commit'][:10]}`: that commit's harness)",
+            f"## Before (commit `{before['provenance']['commit'][:10]}`"
+            + (", dirty tree" if before["provenance"]["dirty"] else "")
+            + ": that run's harness)",
             "",
-            "| batch | per layer, all steps | per layer, eviction steps | syncs/step |",
-            "|---:|---:|---:|---:|",
+            "| batch | per layer, all steps | per layer, eviction steps | syncs/step | host ops before replay |",
+            "|---:|---:|---:|---:|---:|",
         ]
         for row in before["runs"]:
-            evicting = row["eviction_steps"]
+            evicting, host_ops = row["eviction_steps"], row["all_steps"].get("host_ops_before_replay_mean")
             lines.append(
                 f"| {row['batch']} | {row['all_steps']['launches_per_layer_mean']:.2f} | "
                 + (f"{evicting['launches_per_layer_mean']:.2f}" if evicting["steps"] else "—")
-                + f" | {row['all_steps']['syncs_mean']:.2f} |"
+                + f" | {row['all_steps']['syncs_mean']:.2f} | "
+                + ("—" if host_ops is None else f"{host_ops:.0f}")
+                + " |"
             )
     lines += [
         "",

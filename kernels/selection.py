@@ -156,6 +156,7 @@ def select_kept(
     sink: int,
     window: int,
     max_len: int | None = None,
+    budget_on_device: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions to keep per request and KV head: protected ones plus the best-scored rest.
 
@@ -168,6 +169,8 @@ def select_kept(
             ``sink + window`` must not exceed any budget.
         max_len: the longest request's length when the caller knows it (the decode step's
             eviction does); otherwise it is read from ``kv_indptr``, which waits on the device.
+        budget_on_device: a tensor ``budget`` already on the scores' device (a copy the caller
+            made without waiting); otherwise it is copied here, which waits.
 
     Returns:
         ``(kept, kept_lens)``: kept [B, H_kv, budget_eff] int64 positions (0-based within the
@@ -187,7 +190,7 @@ def select_kept(
         if budget.numel() != batch:
             raise ValueError(f"{budget.numel()} budgets for {batch} requests")
         smallest, largest = (int(budget.min()), int(budget.max())) if batch else (1, 1)
-        budgets = budget.to(device)
+        budgets = budget.to(device) if budget_on_device is None else budget_on_device
     if smallest < 1 or sink < 0 or window < 0:
         raise ValueError(f"need budget >= 1, sink >= 0, window >= 0; got {smallest}, {sink}, {window}")
     if sink + window > smallest:

@@ -5,7 +5,10 @@ time), and a read of a device value (`.item()`, `.tolist()`, `.cpu()`, a blockin
 whose output shape depends on values) makes the host wait for everything queued before it. A CPU
 run hides both, so they are counted instead of timed: counts are deterministic.
 
-`DeviceCost` is a dispatch mode that sees every aten op and classifies it:
+`DeviceCost` is a dispatch mode that sees every aten op, counts it as a **host op** (any tensor op
+the host dispatches, on the host or the device, views and allocations included: each costs the host
+microseconds whether or not it launches, so their number is the host's share of a step), and
+classifies it:
 * a **launch**: an op that reads or writes a device tensor and produces or writes data (views,
   metadata and allocations are free); each Triton kernel launch counts once (`JITFunction.run`);
 * a **sync**: a device-to-host copy (but a non-blocking one into pinned memory, whose wait, if
@@ -23,16 +26,23 @@ and then their torch reference for the effect (`count_kernels`).
 
 from __future__ import annotations
 
+import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
+from common.checkout import ROOT
+
 aten = torch.ops.aten
+
+#: The product's folders in a checkout: where a launch or a sync is attributed (`sources`).
+PRODUCT = ("sglang_kvsparse", "kernels", "patches")
 
 #: Allocations: the caching allocator hands memory out without a kernel.
 _ALLOCATIONS = {
@@ -58,6 +68,15 @@ def _is_view(func: Any) -> bool:
     """An op whose outputs alias an input without writing it (view, slice, expand, ...)."""
     returns = func._schema.returns
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _product_frame() -> str:
+    """`file:line` of the innermost frame of the product (not the bench, not torch) on the stack."""
+    for frame in reversed(traceback.extract_stack()):
+        path = Path(frame.filename)
+        if ROOT in path.parents and path.relative_to(ROOT).parts[0] in PRODUCT:
+            return f"{path.relative_to(ROOT)}:{frame.lineno}"
+    return "outside the product"
 
 
 class SimTensor(torch.Tensor):
@@ -114,11 +133,16 @@ _ACTIVE: list[DeviceCost] = []
 class DeviceCost(TorchDispatchMode):
     """Counts launches and syncs per `section` (a name the caller sets between blocks)."""
 
-    def __init__(self, *, simulated: bool) -> None:
+    def __init__(self, *, simulated: bool, sources: bool = False) -> None:
         super().__init__()
         self.simulated = simulated
         self.section = "harness"
         self.launches: Counter[str] = Counter()
+        self.host_ops: Counter[str] = Counter()
+        #: With `sources`: launches and syncs by (section, the product's innermost file:line).
+        self.sources = sources
+        self.launch_sources: Counter[tuple[str, str]] = Counter()
+        self.sync_sources: Counter[tuple[str, str]] = Counter()
         self.syncs: Counter[str] = Counter()
         self.sync_kinds: Counter[str] = Counter()
         self._paused = 0
@@ -127,8 +151,11 @@ class DeviceCost(TorchDispatchMode):
     # -- the caller's view ----------------------------------------------------------------------
     def reset(self) -> None:
         self.launches.clear()
+        self.host_ops.clear()
         self.syncs.clear()
         self.sync_kinds.clear()
+        self.launch_sources.clear()
+        self.sync_sources.clear()
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -142,11 +169,15 @@ class DeviceCost(TorchDispatchMode):
     def note_launch(self, count: int = 1) -> None:
         if not self._paused:
             self.launches[self.section] += count
+            if self.sources:
+                self.launch_sources[self.section, _product_frame()] += count
 
     def note_sync(self, kind: str) -> None:
         if not self._paused:
             self.syncs[self.section] += 1
             self.sync_kinds[f"{self.section}: {kind}"] += 1
+            if self.sources:
+                self.sync_sources[self.section, f"{_product_frame()} ({kind})"] += 1
 
     def __enter__(self) -> DeviceCost:
         _ACTIVE.append(self)
@@ -183,6 +214,8 @@ class DeviceCost(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not self._paused:
+            self.host_ops[self.section] += 1
         if func is aten.is_pinned.default and self.simulated:
             return args[0].untyped_storage().data_ptr() in self._pinned
         if func is aten._pin_memory.default and self.simulated:

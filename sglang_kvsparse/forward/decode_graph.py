@@ -35,6 +35,8 @@ class DecodeBuffers:
         for column, kind in enumerate(state.policy.decode_rule()):
             self.server_kinds[:, column].fill_(kind)
         self.row_kinds = self.server_kinds.clone()
+        #: The plan of each batch size asked for: views of the buffers, made once.
+        self._plans: dict[int, ForwardPlan] = {}
 
     def _empty(self, width: int, columns: int, device: torch.device | str) -> DecodeTables:
         def zeros(*shape: int) -> torch.Tensor:
@@ -49,15 +51,17 @@ class DecodeBuffers:
         )
 
     def plan(self, bs: int) -> ForwardPlan:
-        """The plan a graph of batch size `bs` is captured with: views of the buffers, so a
-        replay reads whatever `fill` wrote last."""
+        """The plan a graph of batch size `bs` is captured and replayed with: views of the
+        buffers, so a replay reads whatever `fill` wrote last; made once per batch size."""
         if not 0 < bs <= self.max_bs:
             raise ValueError(f"a captured batch of {bs} requests: must be in 1..{self.max_bs}")
-        columns = tuple(
-            tuple(_rows(tables, bs).column(c) for c in range(tables.entries.shape[2])) for tables in self.tables
-        )
-        qo_indptr = torch.arange(bs + 1, dtype=torch.int32, device=self.tables[0].lengths.device)
-        return ForwardPlan(qo_indptr, columns, self.sink, self.window, row_kinds=self.row_kinds[:bs])
+        if bs not in self._plans:
+            qo_indptr = torch.arange(bs + 1, dtype=torch.int32, device=self.tables[0].lengths.device)
+            rows = tuple(_rows(tables, bs) for tables in self.tables)
+            self._plans[bs] = ForwardPlan(
+                qo_indptr, (), self.sink, self.window, decode_tables=rows, row_kinds=self.row_kinds[:bs]
+            )
+        return self._plans[bs]
 
     def fill(self, plan: ForwardPlan) -> None:
         """Copy an eager decode plan's tables and decode rules in place (its evictions must

@@ -75,6 +75,8 @@ def build_extend(state: SparseState, step: ExtendStep, device: torch.device | st
                     staging.add(None if step.store_rows is None else step.store_rows[group.first_column + c]),
                     guided,
                     group.first_column + c,
+                    kept,
+                    staging.add(budgets),
                 )
                 for c in range(group.columns)
             ]
@@ -107,8 +109,10 @@ def build_extend(state: SparseState, step: ExtendStep, device: torch.device | st
                 store_slots=get(st),
                 guided=guided,
                 work_slots=get(work_slots[column]) if work_slots else None,
+                kept=kept,
+                device_budgets=get(at_budgets),
             )
-            for i, sc, budgets, compress, p, st, guided, column in group_columns
+            for i, sc, budgets, compress, p, st, guided, column, kept, at_budgets in group_columns
         )
         for group_columns in staged_columns
     )
@@ -125,6 +129,8 @@ def build_extend(state: SparseState, step: ExtendStep, device: torch.device | st
         store_positions=get(at_store),
         work_positions=get(at_work),
         policy_groups=tuple(PolicyGroup(policy, get(r), get(m)) for policy, r, m in policies),
+        max_q_len=int(extend.max()) if extend.numel() else 0,
+        max_kv_len=int(seq_lens.max()) if seq_lens.numel() else 0,
     )
 
 
@@ -196,10 +202,9 @@ def build_decode(
         _decode_tables(group, get(at_requests), get(at_batch), width, [get(t) for t in tickets], per_row)
         for group, (width, tickets) in zip(state.groups, tables)
     )
-    columns = tuple(tuple(t.column(c) for c in range(group.columns)) for group, t in zip(state.groups, decode_tables))
     return ForwardPlan(
         get(at_indptr),
-        columns,
+        (),
         state.config.sink,
         state.config.window,
         decode_tables=decode_tables,

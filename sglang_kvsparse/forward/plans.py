@@ -47,6 +47,9 @@ class ColumnPlan:
     Decode: `kv_lens` [B] and `kv_indices` [B, W] (each request's rows in position order, padded
     with valid rows past its length), `score_indices` [B, W] their score slots (the lane's score
     view): the decode kernel's table layout.
+    `kept` ([B] on the host, a prefill's): each request's entries kept in the column (0 for a
+    chunk before its prompt's last), and `device_budgets` the budgets on the device, so a
+    selection sizes its rows without reading anything back.
     `guided` ([B] on the host; None without guide layers): the requests a selecting prefill keeps
     by the cross-layer guide (`SparseState.guided`), and `work_slots` the heap rows their new
     tokens (at `ForwardPlan.work_positions`) wait in until the guide has chosen.
@@ -66,6 +69,8 @@ class ColumnPlan:
     store_slots: torch.Tensor | None = None
     guided: torch.Tensor | None = None
     work_slots: torch.Tensor | None = None
+    kept: torch.Tensor | None = None
+    device_budgets: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -113,11 +118,13 @@ class ForwardPlan:
     captured step always reads them (its buffers'). `sentence_ends` [total_kv] bool: the
     sequence's keys whose token ends a sentence (a prefill on a server that knows its tokens;
     `sglang_kvsparse.policies.sentences`), else None. `evictions`: a decode step's, one per group and
-    (budget, policy) among its evicting requests.
+    (budget, policy) among its evicting requests. `max_q_len` / `max_kv_len` (a prefill): the most
+    new tokens and the longest sequence of a request, known on the host, so the kernels size their
+    launches without reading the boundaries back from the device (None: they read them).
     """
 
     qo_indptr: torch.Tensor
-    columns: tuple[tuple[ColumnPlan, ...], ...]  # [group][column]
+    columns: tuple[tuple[ColumnPlan, ...], ...]  # [group][column]; a decode step's: () (`column`)
     sink: int = 0
     window: int = 0
     kv_indptr: torch.Tensor | None = None
@@ -132,8 +139,15 @@ class ForwardPlan:
     policy_groups: tuple[PolicyGroup, ...] = ()
     row_kinds: torch.Tensor | None = None
     sentence_ends: torch.Tensor | None = None
+    max_q_len: int | None = None
+    max_kv_len: int | None = None
 
     def column(self, place: LayerPlace) -> ColumnPlan:
+        """The column's plan: a prefill's from `columns`; a decode step's (whose `columns` is
+        empty) made from its group's tables when a layer asks, so that a step replayed from a
+        captured graph, whose layers never ask, dispatches no per-column views."""
+        if self.decode_tables:
+            return self.decode_tables[place.group].column(place.column)
         return self.columns[place.group][place.column]
 
 

@@ -17,6 +17,7 @@ from sglang_kvsparse.forward.guide import PrefillGuide
 from sglang_kvsparse.forward.plans import ColumnPlan, ForwardPlan, MixedPlan, PolicyGroup
 from sglang_kvsparse.kernels.common import FP8_DTYPES, positions_in_segment, quantize, segment_ids
 from sglang_kvsparse.policies import PrefillScoringInputs, ScoringPolicy, StreamingLLMPolicy
+from sglang_kvsparse.state.device_copy import upload
 from sglang_kvsparse.state.layout import LayerPlace
 from sglang_kvsparse.state.sparse_group import LaneBuffers
 
@@ -99,6 +100,7 @@ def sparse_extend(
         k_scale=scales.k,
         v_scale=scales.v,
         window=sliding_window,
+        max_q_len=plan.max_q_len,
     )
     if column.store_slots is not None and column.store_slots.numel():
         _write(buffers, column.store_slots, k[plan.store_positions], v[plan.store_positions])
@@ -117,6 +119,7 @@ def sparse_extend(
             plan.sink,
             plan.sentence_ends,
             scales.k,
+            plan.max_kv_len,
         )
         for group in groups:
             mine = group.policy.score(inputs)  # of the whole batch: a batch mixes policies rarely
@@ -187,17 +190,28 @@ def _keep(
     """Select sink + window + the best-scored rest up to each request's budget per KV head, and
     scatter the kept K/V and their scores into the requests' rows; with `only` (host [B]), into
     the rows of those requests alone, the others' left as they are."""
-    kept, kept_lens = kernels.select_kept(scores, kv_indptr, column.budgets, plan.sink, plan.window)
+    kept, kept_lens = kernels.select_kept(
+        scores,
+        kv_indptr,
+        column.budgets,
+        plan.sink,
+        plan.window,
+        max_len=plan.max_kv_len,
+        budget_on_device=column.device_budgets,
+    )
     if plan.keeps is not None:
         kept_lens = kept_lens * plan.keeps
     slots, score_slots = column.new_slots, column.new_score_slots
     if only is not None:  # their indices among the rows, which hold every keeping request's, request-major
-        lens = kept_lens.cpu()
-        spans = torch.arange(int(lens.sum())).split(lens.tolist())
-        chosen = torch.cat([part for part, mine in zip(spans, only.tolist()) if mine]).to(slots.device)
+        if column.kept is None:
+            raise ValueError("a selection for some of a batch's requests needs the plan's host counts (`kept`)")
+        firsts = torch.cumsum(column.kept, 0) - column.kept
+        parts = [torch.arange(first, first + n) for first, n, mine in zip(firsts, column.kept, only.tolist()) if mine]
+        chosen = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        chosen, mask = upload([chosen, only], slots.device)
         slots, score_slots = slots[chosen], score_slots[chosen]
-        kept_lens = kept_lens * only.to(kept_lens.device)
-    src = kept_sources(kept, kept_lens, kv_indptr)
+        kept_lens = kept_lens * mask
+    src = kept_sources(kept, kept_lens, kv_indptr, slots.shape[0])
     heads = torch.arange(k_all.shape[1], device=k_all.device)[None, :]
     dst = slots[:, None]
     _set_rows(buffers.k, (dst, heads), _rows(k_all, (src, heads)).to(buffers.k.dtype))
@@ -231,17 +245,18 @@ def sequence_kv(
     return k_all, v_all, plan.kv_indptr
 
 
-def kept_sources(kept: torch.Tensor, kept_lens: torch.Tensor, kv_indptr: torch.Tensor) -> torch.Tensor:
-    """Sequence index of each kept entry, [sum(kept_lens), H_kv], request-major.
+def kept_sources(kept: torch.Tensor, kept_lens: torch.Tensor, kv_indptr: torch.Tensor, total: int) -> torch.Tensor:
+    """Sequence index of each kept entry, [total, H_kv], request-major; `total` = sum(kept_lens),
+    known on the host (the rows the plan gave the kept entries), so nothing is read back.
 
     `kept` [B, H_kv, n] holds positions within each request (padded with -1 past kept_lens[b]);
     entry j of request b, head h, comes from key kv_indptr[b] + kept[b, h, j].
     """
-    parts = [
-        kept[b, :, : int(n)].T + int(start)
-        for b, (n, start) in enumerate(zip(kept_lens.tolist(), kv_indptr[:-1].tolist()))
-    ]
-    return torch.cat(parts) if parts else kept.new_empty(0, kept.shape[1])
+    kept_indptr = torch.zeros(kept_lens.numel() + 1, dtype=torch.int64, device=kept.device)
+    kept_indptr[1:] = torch.cumsum(kept_lens, 0)
+    request = segment_ids(kept_indptr, total)
+    entry = torch.arange(total, device=kept.device) - kept_indptr[request]
+    return kept[request, :, entry] + kv_indptr.to(torch.int64)[request, None]
 
 
 def sparse_decode(

@@ -50,6 +50,7 @@ class PrefillScoringInputs:
     sink: int  # the first keys every selection keeps (attention sinks)
     sentence_ends: torch.Tensor | None = None  # [total_kv] bool, aligned with kv_indices
     k_scale: float = 1.0  # an FP8 `k_buf`'s scale: a stored key times it is the real one
+    max_kv_len: int | None = None  # the longest request's keys, when the host knows it (no sync)
 
     def attention_from_last(self, queries: int) -> torch.Tensor:
         """[total_kv, H_kv] float32: each key's attention from its request's last `queries` new
@@ -65,6 +66,7 @@ class PrefillScoringInputs:
             queries,
             self.sm_scale,
             k_scale=self.k_scale,
+            max_kv_len=self.max_kv_len,
         )
 
 

@@ -71,16 +71,15 @@ def sentence_numbers(ends: torch.Tensor, kv_indptr: torch.Tensor, longest: int) 
     sentence)."""
     if longest < 1:
         raise ValueError(f"longest: expected an integer >= 1, got {longest}")
+    # No boolean-mask indexing and no value read back: on a GPU either waits for the device.
     total = ends.shape[0]
-    starts = torch.zeros(total, dtype=torch.bool, device=ends.device)
-    starts[1:] = ends[:-1]
-    firsts = kv_indptr[:-1].long()
-    starts[firsts[firsts < total]] = True
-    numbers = torch.cumsum(starts, 0) - 1
+    starts = torch.zeros(total + 1, dtype=torch.bool, device=ends.device)  # one more: an empty request's start
+    starts[1:total] = ends[:-1]
+    starts[kv_indptr[:-1].long()] = True
+    starts = starts[:total]
     positions = torch.arange(total, device=ends.device)
-    first_of = torch.zeros(total, dtype=torch.int64, device=ends.device)  # no more sentences than keys
-    first_of[numbers[starts]] = positions[starts]
-    starts |= (positions - first_of[numbers]) % longest == 0
+    first = torch.cummax(torch.where(starts, positions, 0), 0).values  # each key's sentence's first key
+    starts |= (positions - first) % longest == 0
     return torch.cumsum(starts, 0) - 1
 
 

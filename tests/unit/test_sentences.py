@@ -39,6 +39,13 @@ def test_sentence_numbers_match_a_loop(seed, longest):
     assert got.tolist() == hand_numbers(ends.tolist(), lengths, longest)
 
 
+@pytest.mark.parametrize("lengths", [[3, 0, 4], [5, 0], [0, 6], [2, 0, 0, 3]])
+def test_empty_requests_start_no_sentence(lengths):
+    ends = torch.tensor([True, False, False, True, False, False, False])[: sum(lengths)]
+    indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    assert sentence_numbers(ends, indptr, 3).tolist() == hand_numbers(ends.tolist(), lengths, 3)
+
+
 def test_a_text_without_ends_is_cut_every_longest_keys():
     got = sentence_numbers(torch.zeros(10, dtype=torch.bool), torch.tensor([0, 10]), 4)
     assert got.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]

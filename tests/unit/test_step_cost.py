@@ -80,6 +80,32 @@ def test_decode_steps_wait_for_nothing_and_launch_the_same_at_every_batch_size(p
     assert launches[1] == launches[6]
 
 
+def test_the_counter_counts_every_op_the_host_dispatches():
+    cost = DeviceCost(simulated=True)
+    with cost:
+        x = torch.arange(6.0, device=SimDevice.device)
+        cost.section = "probe"
+        x[:3].view(3, 1).expand(3, 2)  # a slice, a view, an expand: host work, no launch
+        torch.empty(4, device=SimDevice.device)  # an allocation: the same
+        torch.ones(3) * 2  # ops on host tensors
+        with cost.paused():
+            x + 1  # a kernel's reference, standing in for its launch
+    assert (cost.host_ops["probe"], cost.launches["probe"]) == (6, 0)
+
+
+def test_a_replayed_steps_host_work_does_not_grow_with_the_sparse_layers():
+    """Before a replay the host plans, evicts and fills the graph's buffers; the layers' views of
+    those buffers are made once per batch size, so a model twice as deep dispatches the same ops."""
+    host_ops = {}
+    for layers in (6, 12):
+        shape = {**step_cost.SMALL_SHAPE, "num_hidden_layers": layers}
+        run = step_cost.measure(3, 12, SimDevice.device, 0, shape, config("span"))
+        steps = [step["host_ops"][step_cost.BEFORE_REPLAY] for step in run.steps if not step["evicting"]]
+        assert steps, layers
+        host_ops[layers] = max(steps)
+    assert host_ops[6] == host_ops[12]
+
+
 def test_the_decode_rows_of_a_mixed_batch_are_on_the_host_already():
     """SGLang's mixed chunk allocates a prefill and then the running requests' decode tokens, both
     before the forward: the prefill's allocation keeps every running request's coming decode rows
