@@ -17,7 +17,8 @@ the run goes on:
              ``torch.cuda.set_sync_debug_mode("error")``), captured once in a ``torch.cuda.CUDAGraph``
              and replayed for 300 steps in which requests, of the server's policy or their own
              (TOVA, KeyNorm, random: every score update and first score), join, evict and finish,
-             against the eager step on a twin state: outputs compared, and the median step time
+             against the eager step on a twin state: outputs equal within two roundings of their
+             dtype (a replay sums in the captured batch's grouping), and the median step time
              of both. (CPU: the buffers without a graph.)
   bandwidth  ``bench/bandwidth.py``: the decode and eviction kernels' achieved bandwidth against the
              device's copy bandwidth and the decode's time against torch's flash SDPA over the
@@ -165,14 +166,21 @@ def check_graph(device: str) -> dict[str, Any]:
     graph = GraphDecode(state, device)
     replayed, _ = decode_lifecycle(state, STEPS, graph, settings=settings)
     worst = max((float((a - b).abs().max()) for a, b in zip(eager, replayed)), default=0.0)
+    scale = max((float(a.abs().max()) for a in eager), default=1.0) or 1.0
+    # A replay runs the captured batch size (padding included), so its sums are grouped otherwise
+    # than an eager step's (the kernel's split of the keys, the reference's matmul blocking): an
+    # output may round to the next value of its dtype. Stale buffers would miss by the outputs' size.
+    bound = 2 * torch.finfo(eager[0].dtype).eps if eager else 0.0
     return {
         "decode_steps": len(eager),
         "steps_with_evictions": evicting,
         "request_policies": [setting.policy.name if setting.policy else "server's" for setting in settings],
         "max_abs_difference": worst,
+        "max_difference_of_largest_output": worst / scale,
+        "bound": bound,
         "eager_step_ms_median": 1e3 * statistics.median(eager_times),
         "graph_step_ms_median": 1e3 * statistics.median(graph.times[1:] or graph.times),
-        "ok": len(eager) == len(replayed) and worst <= 1e-4,
+        "ok": len(eager) == len(replayed) and worst / scale <= bound,
     }
 
 

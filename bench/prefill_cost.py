@@ -38,7 +38,7 @@ importable()
 
 import step_cost  # noqa: E402
 from common.device_cost import DeviceCost, SimDevice, count_kernels, count_triton_launches  # noqa: E402
-from common.report import ReportPaths, provenance, write_json  # noqa: E402
+from common.report import ReportPaths, provenance, provenance_line, write_json  # noqa: E402
 
 from sglang_kvsparse import kernels  # noqa: E402
 from sglang_kvsparse.config import PRESETS, SparsityConfig  # noqa: E402
@@ -137,10 +137,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# Prefill cost of the sparse layers — {report['date']}",
         "",
-        f"- Device: {report['device']}; commit `{report['provenance']['commit'][:10]}`"
-        + (" (dirty tree)" if report["provenance"]["dirty"] else ""),
-        f"- Shape: {report['settings']['shape']}; budget {report['settings']['budget']} ({layers} sparse layers)",
-        f"- Command: `{' '.join(report['provenance']['command'])}`",
+        provenance_line(report),
+        f"- Device: {report['device']}; shape: {report['settings']['shape']}; budget "
+        f"{report['settings']['budget']} ({layers} sparse layers)",
         "",
         "One prefill forward driven as SGLang's attention backend drives the sparse layers (`begin_extend`: "
         "the plan; `extend` for every sparse layer; the release), counted per op "
