@@ -64,6 +64,7 @@ def build_extend(state: SparseState, step: ExtendStep, device: torch.device | st
         guided = group.guided(state.resolved, state.requests.budget[index], seq_lens)
         if guided is not None:
             guided &= ~partial
+        at_budgets = staging.add(budgets)  # one copy for the group's columns
         staged_columns.append(
             [
                 (
@@ -76,7 +77,7 @@ def build_extend(state: SparseState, step: ExtendStep, device: torch.device | st
                     guided,
                     group.first_column + c,
                     kept,
-                    staging.add(budgets),
+                    at_budgets,
                 )
                 for c in range(group.columns)
             ]
