@@ -46,9 +46,10 @@ from kvsparse_testbed.texts import essay_text
 from sglang_kvsparse.config import PRESETS
 from sglang_kvsparse.forward.guide import PrefillGuide
 from sglang_kvsparse.kernels import select_kept
+from sglang_kvsparse.kernels.common import Segments
 from sglang_kvsparse.models import ensure_default_model
 from sglang_kvsparse.policies import SpanPolicy
-from sglang_kvsparse.policies.sentences import sentence_end_tokens
+from sglang_kvsparse.policies.sentences import sentence_end_tokens, sentence_numbers
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 #: Each token's (first, past-last) character in the templated prompt.
@@ -104,20 +105,20 @@ class AttentionProbe:
 def layer_scores(mass: torch.Tensor, policy: SpanPolicy, sentence_ends: torch.Tensor) -> torch.Tensor:
     """`span`'s scores [L, H_kv] from a layer's window mass: spread forward, then raised by
     sentence (`sentence_ends` [L] bool, as the server marks them)."""
-    indptr = torch.tensor([0, mass.shape[0]], dtype=torch.int32)
-    spread = policy.spread(mass.float(), indptr, DEFAULT.sink, DEFAULT.window)
-    return policy.by_sentence(spread, indptr, sentence_ends)
+    keys = Segments.of(torch.tensor([0, mass.shape[0]], dtype=torch.int32))
+    spread = policy.spread(mass.float(), keys, DEFAULT.sink, DEFAULT.window)
+    return policy.by_sentence(spread, sentence_numbers(sentence_ends, keys))
 
 
 def kept_sets(scores: dict[int, torch.Tensor], budget: int, guide_layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
     """Per sparse layer, [H_kv, L] bool of the kept prompt keys: by the layer's own scores, or
     (with guide layers) by the guide's, through the server's `PrefillGuide`."""
     length = next(iter(scores.values())).shape[0]
-    indptr = torch.tensor([0, length], dtype=torch.int32)
+    keys = Segments.of(torch.tensor([0, length], dtype=torch.int32))
     kept: dict[int, torch.Tensor] = {}
 
     def keep(layer: int, by: torch.Tensor) -> None:
-        positions, _ = select_kept(by, indptr, budget, DEFAULT.sink, DEFAULT.window)
+        positions, _ = select_kept(by, keys, budget, DEFAULT.sink, DEFAULT.window)
         mask = torch.zeros(by.shape[1], length, dtype=torch.bool)
         for head, row in enumerate(positions[0]):
             mask[head, row[row >= 0]] = True

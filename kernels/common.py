@@ -10,6 +10,8 @@ CPU path of the server never needs the Triton interpreter; tests force ``backend
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -66,28 +68,64 @@ def dot_precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
-def segment_lengths(indptr: torch.Tensor) -> torch.Tensor:
-    """Per-request lengths from a CSR pointer array (int64, on the pointer's device)."""
-    return (indptr[1:] - indptr[:-1]).to(torch.int64)
+@dataclass(frozen=True, eq=False)
+class Segments:
+    """A ragged batch: ``indptr`` [B+1] bounds B requests' ``total`` elements, the longest
+    ``max_len`` long (all three known on the host, so nothing is read back).
 
+    Each element's request and position are computed once, when first asked: the sparse layers of
+    one prefill share its keys' `Segments` (`ForwardPlan.keys`), so they pay for them once, not
+    once per layer and helper.
+    """
 
-def segment_ids(indptr: torch.Tensor, total: int) -> torch.Tensor:
-    """Request id of every element of a ragged array described by ``indptr`` (int64)."""
-    lens = segment_lengths(indptr)
-    ids = torch.arange(lens.numel(), device=indptr.device)
-    return torch.repeat_interleave(ids, lens, output_size=total)
+    indptr: torch.Tensor
+    total: int
+    max_len: int
 
+    @classmethod
+    def of(cls, indptr: torch.Tensor) -> Segments:
+        """The batch ``indptr`` bounds, its sizes read from it (which waits on a GPU: for tests and
+        offline tools; a forward has them on the host)."""
+        lengths = (indptr[1:] - indptr[:-1]).tolist()
+        return cls(indptr, sum(lengths), max(lengths, default=0))
 
-def positions_in_segment(indptr: torch.Tensor, total: int) -> torch.Tensor:
-    """0-based position of every element inside its own request (int64)."""
-    seg = segment_ids(indptr, total)
-    return torch.arange(total, device=indptr.device) - indptr.to(torch.int64)[seg]
+    @property
+    def batch(self) -> int:
+        return self.indptr.numel() - 1
 
+    @cached_property
+    def lengths(self) -> torch.Tensor:
+        """[B] int64: each request's element count."""
+        return (self.indptr[1:] - self.indptr[:-1]).to(torch.int64)
 
-def keys_after_in_segment(indptr: torch.Tensor, total: int) -> torch.Tensor:
-    """How many elements follow every element inside its own request (int64; 0 for the last)."""
-    seg = segment_ids(indptr, total)
-    return indptr.to(torch.int64)[seg + 1] - 1 - torch.arange(total, device=indptr.device)
+    @cached_property
+    def ids(self) -> torch.Tensor:
+        """[total] int64: each element's request."""
+        requests = torch.arange(self.batch, device=self.indptr.device)
+        return torch.repeat_interleave(requests, self.lengths, output_size=self.total)
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """[total] int64: each element's 0-based position in its request."""
+        return torch.arange(self.total, device=self.indptr.device) - self.indptr.to(torch.int64)[self.ids]
+
+    @cached_property
+    def after(self) -> torch.Tensor:
+        """[total] int64: how many elements follow each in its request (0 for the last)."""
+        return self.lengths[self.ids] - 1 - self.positions
+
+    def to_dense(self, values: torch.Tensor, fill: float, before: int = 0, after: int = 0) -> torch.Tensor:
+        """``values`` [total, H] as [B, H, before + max_len + after]: request b's element at
+        position p at ``[b, :, before + p]``, ``fill`` everywhere else (the ``before`` and ``after``
+        margins too, so a sliding window over a row never reaches another request)."""
+        dense = values.new_full((self.batch, values.shape[1], before + self.max_len + after), fill)
+        dense[self.ids, :, self.positions + before] = values
+        return dense
+
+    def from_dense(self, dense: torch.Tensor) -> torch.Tensor:
+        """[total, H]: the elements of ``dense`` [B, H, >= max_len] (request b's position p at
+        ``[b, :, p]``), the inverse of `to_dense` without margins."""
+        return dense[self.ids, :, self.positions]
 
 
 def check_group(num_q_heads: int, num_kv_heads: int) -> int:

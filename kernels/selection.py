@@ -11,16 +11,16 @@ from typing import Literal
 
 import torch
 
-from .common import keys_after_in_segment, positions_in_segment, segment_ids, segment_lengths
+from .common import Segments
 
 
 def pool_scores(
     scores: torch.Tensor,
-    kv_indptr: torch.Tensor,
+    keys: Segments,
     kernel_size: int,
     kind: Literal["max", "avg"] = "max",
 ) -> torch.Tensor:
-    """Sliding max or mean of ``scores`` [total_kv, H] along keys, within each request.
+    """Sliding max or mean of ``scores`` [total_kv, H] along keys, within each request of ``keys``.
 
     The window is centred (``kernel_size`` must be odd) and clipped at request boundaries: "avg"
     divides by the number of in-request neighbours, so edge keys are not penalised for padding.
@@ -32,11 +32,11 @@ def pool_scores(
         raise ValueError(f"kind must be 'max' or 'avg', got {kind!r}")
     radius = kernel_size // 2
     if kind == "max":
-        return _window_max(scores, kv_indptr, radius, radius)
-    return _pool_mean(scores, kv_indptr, radius)
+        return _window_max(scores, keys, radius, radius)
+    return _pool_mean(scores, keys, radius)
 
 
-def spread_scores(scores: torch.Tensor, kv_indptr: torch.Tensor, follow: int) -> torch.Tensor:
+def spread_scores(scores: torch.Tensor, keys: Segments, follow: int) -> torch.Tensor:
     """Each key's score raised to the best of the ``follow`` keys before it in its request.
 
     A key the selection keeps then brings the ``follow`` keys after it along: the rest of a
@@ -44,11 +44,11 @@ def spread_scores(scores: torch.Tensor, kv_indptr: torch.Tensor, follow: int) ->
     """
     if follow < 0:
         raise ValueError(f"follow must be >= 0, got {follow}")
-    return _window_max(scores, kv_indptr, follow, 0)
+    return _window_max(scores, keys, follow, 0)
 
 
 def peaks(
-    scores: torch.Tensor, kv_indptr: torch.Tensor, count: int, radius: int, skip_first: int, skip_last: int
+    scores: torch.Tensor, keys: Segments, count: int, radius: int, skip_first: int, skip_last: int
 ) -> torch.Tensor:
     """[total_kv, H] bool: per request and head, the ``count`` best peaks (ties included).
 
@@ -62,113 +62,73 @@ def peaks(
         raise ValueError(
             f"need count, radius, skip_first, skip_last >= 0; got {count}, {radius}, {skip_first}, {skip_last}"
         )
-    total = scores.shape[0]
-    if total == 0 or count == 0:
+    if keys.total == 0 or count == 0:
         return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-    seg = segment_ids(kv_indptr, total)
-    inside = (positions_in_segment(kv_indptr, total) >= skip_first) & (
-        keys_after_in_segment(kv_indptr, total) >= skip_last
-    )
-    peak = (scores == _window_max(scores, kv_indptr, radius, radius)) & inside[:, None]
-    values = scores.float()
+    padded = keys.to_dense(scores.float(), float("-inf"), radius, radius)  # [B, H, radius + L + radius]
+    values = padded[..., radius : radius + keys.max_len]
+    position = torch.arange(keys.max_len, device=scores.device)
+    inside = (position >= skip_first) & (position < (keys.lengths - skip_last)[:, None])  # [B, L]
+    peak = (values == _max_pool(padded, 2 * radius + 1)) & inside[:, None, :]
     ranked = torch.where(peak, values, float("-inf"))
-    threshold = _best_peak(ranked, seg, kv_indptr) if count == 1 else _count_th_peak(ranked, seg, kv_indptr, count)
-    return peak & (values >= threshold[seg])
+    # The count-th best peak of each request and head (-inf where it has fewer).
+    threshold = ranked.amax(-1, keepdim=True) if count == 1 else _kth_largest(ranked, count)
+    return keys.from_dense(peak & (values >= threshold))
 
 
-def _best_peak(ranked: torch.Tensor, seg: torch.Tensor, kv_indptr: torch.Tensor) -> torch.Tensor:
-    """[B, H]: each request's highest of ``ranked`` (-inf off its peaks): one scatter instead of
-    `_count_th_peak`'s two sorts over every key (7 ms against 290 ms at 131,072 keys x 8 heads
-    on this project's CPU)."""
-    batch, heads = kv_indptr.numel() - 1, ranked.shape[1]
-    lowest = torch.full((batch, heads), float("-inf"), dtype=ranked.dtype, device=ranked.device)
-    return lowest.scatter_reduce(0, seg[:, None].expand(-1, heads), ranked, reduce="amax")
+def _kth_largest(ranked: torch.Tensor, count: int) -> torch.Tensor:
+    """[B, H, 1]: the ``count``-th largest of each row of ``ranked`` [B, H, L] (-inf if L < count)."""
+    if count > ranked.shape[-1]:
+        return ranked.new_full((*ranked.shape[:-1], 1), float("-inf"))
+    return torch.topk(ranked, count, dim=-1).values[..., -1:]
 
 
-def _count_th_peak(ranked: torch.Tensor, seg: torch.Tensor, kv_indptr: torch.Tensor, count: int) -> torch.Tensor:
-    """[B, H]: each request's ``count``-th highest of ``ranked`` (-inf off its peaks, and where it
-    has fewer): peaks sorted by score, then stably by request, so each request's peaks lie in its
-    own range of rows, best first."""
-    total = ranked.shape[0]
-    by_score = torch.sort(ranked, dim=0, descending=True, stable=True)
-    by_request = torch.sort(seg[by_score.indices], dim=0, stable=True).indices
-    best_first = torch.gather(by_score.values, 0, by_request)
-    starts = kv_indptr[:-1].to(torch.int64)
-    last = torch.maximum(starts, kv_indptr[1:].to(torch.int64) - 1)
-    return best_first[torch.minimum(starts + count - 1, last).clamp(max=total - 1)]
-
-
-def _window_max(scores: torch.Tensor, kv_indptr: torch.Tensor, before: int, after: int) -> torch.Tensor:
+def _window_max(scores: torch.Tensor, keys: Segments, before: int, after: int) -> torch.Tensor:
     """Max of each key's score over the keys from ``before`` keys before it to ``after`` keys
-    after it, clipped to its request: the max of a look-back and a look-ahead running max."""
-    total = scores.shape[0]
-    if total == 0 or before + after == 0:
+    after it, clipped to its request: a max pool over the requests laid out as rows padded with
+    -inf, so its cost in launches does not grow with the window or the batch."""
+    if keys.total == 0 or before + after == 0:
         return scores.clone()
-    pooled = _running_max(scores, positions_in_segment(kv_indptr, total), before, -1)
-    if after:
-        pooled = torch.maximum(pooled, _running_max(scores, keys_after_in_segment(kv_indptr, total), after, 1))
-    return pooled
+    padded = keys.to_dense(scores, float("-inf"), before, after)
+    return keys.from_dense(_max_pool(padded, before + after + 1))
 
 
-def _running_max(scores: torch.Tensor, room: torch.Tensor, width: int, direction: int) -> torch.Tensor:
-    """Max over each key and the ``width`` keys beside it in ``direction`` (-1 before, +1 after),
-    of which only ``room`` [total] exist in its request: O(log width) ops, not O(width) shifts.
-
-    While m[i] covers ``span`` keys, m[i] = max(m[i], m[i + direction * step]) with step = span
-    (the last time, the remainder up to width + 1) where ``room`` allows it; where it does not,
-    m[i] already reaches the request's edge. Max is exact in any order, so the result is the
-    plain sliding max to the bit.
-    """
-    pooled, span = scores, 1
-    while span < width + 1:
-        step = min(span, width + 1 - span)
-        pooled = torch.where((room >= step)[:, None], torch.maximum(pooled, _shifted(pooled, direction * step)), pooled)
-        span += step
-    return pooled
+def _max_pool(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, H, n - width + 1]: the max of every ``width`` consecutive entries of ``rows`` [B, H, n]
+    (exact: a max rounds nothing)."""
+    return torch.nn.functional.max_pool1d(rows, width, stride=1)
 
 
-def _shifted(x: torch.Tensor, shift: int) -> torch.Tensor:
-    """Rows ``x[i + shift]`` where they exist, other rows of ``x`` elsewhere (callers mask those):
-    two contiguous slices, which the CPU copies faster than it gathers rows by index."""
-    if shift > 0:
-        return torch.cat((x[shift:], x[-shift:]))
-    return torch.cat((x[:-shift], x[:shift]))
-
-
-def _pool_mean(scores: torch.Tensor, kv_indptr: torch.Tensor, radius: int) -> torch.Tensor:
+def _pool_mean(scores: torch.Tensor, keys: Segments, radius: int) -> torch.Tensor:
     """Mean of each key's score and its in-request neighbours up to ``radius`` away: differences
     of one running sum (in float64), so the cost does not grow with ``radius``."""
-    total = scores.shape[0]
+    total = keys.total
     if radius == 0 or total == 0:
         return scores.clone()
     sums = torch.cat([scores.new_zeros((1, scores.shape[1]), dtype=torch.float64), scores.double().cumsum(0)])
     index = torch.arange(total, device=scores.device)
-    first = index - positions_in_segment(kv_indptr, total).clamp(max=radius)
-    last = index + keys_after_in_segment(kv_indptr, total).clamp(max=radius)
+    first = index - keys.positions.clamp(max=radius)
+    last = index + keys.after.clamp(max=radius)
     count = (last - first + 1).to(torch.float64)[:, None]
     return ((sums[last + 1] - sums[first]) / count).to(scores.dtype)
 
 
 def select_kept(
     scores: torch.Tensor,
-    kv_indptr: torch.Tensor,
+    keys: Segments,
     budget: int | torch.Tensor,
     sink: int,
     window: int,
-    max_len: int | None = None,
     budget_on_device: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions to keep per request and KV head: protected ones plus the best-scored rest.
 
     Args:
         scores: [total_kv, H_kv] (pooled) scores aligned with the requests' keys.
-        kv_indptr: [B+1] request boundaries in ``scores``.
+        keys: the requests' boundaries in ``scores``.
         budget: entries kept per request and head when the request is longer than its budget:
             one for every request, or each request's own ([B] int64, on the host).
         sink, window: the first ``sink`` and last ``window`` positions are always kept;
             ``sink + window`` must not exceed any budget.
-        max_len: the longest request's length when the caller knows it (the decode step's
-            eviction does); otherwise it is read from ``kv_indptr``, which waits on the device.
         budget_on_device: a tensor ``budget`` already on the scores' device (a copy the caller
             made without waiting); otherwise it is copied here, which waits.
 
@@ -180,10 +140,9 @@ def select_kept(
         in any batch.
     """
     device = scores.device
-    total, heads = scores.shape
-    lens = segment_lengths(kv_indptr)
-    batch = lens.numel()
-    if isinstance(budget, int):  # no host tensor: the decode step's eviction queues without a sync
+    heads = scores.shape[1]
+    batch, lens = keys.batch, keys.lengths
+    if isinstance(budget, int):
         smallest = largest = budget
         budgets: int | torch.Tensor = budget
     else:
@@ -196,26 +155,21 @@ def select_kept(
     if sink + window > smallest:
         raise ValueError(f"sink ({sink}) + window ({window}) exceeds the budget ({smallest})")
     kept_lens = lens.clamp(max=budgets) if isinstance(budgets, int) else torch.minimum(lens, budgets)
-    if max_len is None:
-        max_len = int(lens.max().item()) if batch else 0
-    keep = min(largest, max_len)
+    keep = min(largest, keys.max_len)
     if keep == 0:
         return torch.empty(batch, heads, 0, dtype=torch.int64, device=device), kept_lens
-    seg = segment_ids(kv_indptr, total)
-    pos = positions_in_segment(kv_indptr, total)
-    length = lens[seg]
-    own = budgets if isinstance(budgets, int) else budgets[seg]
+    pos, length = keys.positions, lens[keys.ids]
+    own = budgets if isinstance(budgets, int) else budgets[keys.ids]
     protected = (pos < sink) | (pos >= length - window) | (length <= own)
     # Rank: protected first (+inf), then by score; padding of short requests last (-inf).
-    rank = torch.full((batch, max_len, heads), float("-inf"), dtype=torch.float32, device=device)
-    rank[seg, pos] = torch.where(protected[:, None], float("inf"), scores.float())
+    rank = keys.to_dense(torch.where(protected[:, None], float("inf"), scores.float()), float("-inf"))  # [B, H, L]
     # A stable sort, not topk: of equal scores (pooling and `span` make many) the earliest
     # positions win whatever else is in the batch, where topk's choice depends on the batch.
-    top = torch.sort(rank, dim=1, descending=True, stable=True).indices[:, :keep]  # [B, keep, H]
-    top = torch.where(torch.arange(keep, device=device)[None, :, None] < kept_lens[:, None, None], top, max_len)
-    kept = torch.sort(top, dim=1).values
-    kept = torch.where(kept == max_len, -1, kept)
-    return kept.transpose(1, 2).contiguous(), kept_lens
+    top = torch.sort(rank, dim=-1, descending=True, stable=True).indices[..., :keep]  # [B, H, keep]
+    padding = keys.max_len
+    top = torch.where(torch.arange(keep, device=device) < kept_lens[:, None, None], top, padding)
+    kept = torch.sort(top, dim=-1).values
+    return torch.where(kept == padding, -1, kept), kept_lens
 
 
 def select_rows(scores: torch.Tensor, budget: int, sink: int, window: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from sglang_kvsparse.forward.plans import ColumnPlan, DecodeTables, Eviction, ForwardPlan, PolicyGroup
+from sglang_kvsparse.kernels.common import Segments
 from sglang_kvsparse.policies import ScoringPolicy
 from sglang_kvsparse.state.device_copy import upload
 from sglang_kvsparse.state.entry_table import HeapError
@@ -85,13 +86,14 @@ def build_extend(state: SparseState, step: ExtendStep, device: torch.device | st
     at_qo = staging.add(indptr(extend))
     at_store = staging.add(step.store_positions)
     policies = staging.policies(state, index)
-    kept_positions = keeps = kv_indptr = prefix_positions = new_positions = None
+    kept_positions = keeps = prefix_positions = new_positions = None
+    at_kv = at_qo
     if bool(partial.any()):
         kept_positions = staging.add(ranges(indptr(seq_lens)[:-1][~partial], seq_lens[~partial]))
         keeps = staging.add(~partial)
     if bool(step.prefix_lens.any()):
         starts = indptr(seq_lens)[:-1]
-        kv_indptr = staging.add(indptr(seq_lens))
+        at_kv = staging.add(indptr(seq_lens))
         prefix_positions = staging.add(ranges(starts, step.prefix_lens))
         new_positions = staging.add(ranges(starts + step.prefix_lens, extend))
     work_slots = [staging.add(rows) for rows in step.work_rows]
@@ -122,7 +124,7 @@ def build_extend(state: SparseState, step: ExtendStep, device: torch.device | st
         columns,
         state.config.sink,
         state.config.window,
-        kv_indptr=get(kv_indptr),
+        keys=Segments(get(at_kv), int(seq_lens.sum()), int(seq_lens.max()) if seq_lens.numel() else 0),
         prefix_positions=get(prefix_positions),
         new_positions=get(new_positions),
         keeps=get(keeps),
@@ -131,7 +133,6 @@ def build_extend(state: SparseState, step: ExtendStep, device: torch.device | st
         work_positions=get(at_work),
         policy_groups=tuple(PolicyGroup(policy, get(r), get(m)) for policy, r, m in policies),
         max_q_len=int(extend.max()) if extend.numel() else 0,
-        max_kv_len=int(seq_lens.max()) if seq_lens.numel() else 0,
     )
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_kvsparse.kernels.common import Segments
 from sglang_kvsparse.policies import ScoringPolicy
 from sglang_kvsparse.state.layout import LayerPlace
 
@@ -104,9 +105,10 @@ class ForwardPlan:
     """Everything the sparse layers of one forward need beyond their lane buffers.
 
     A prefill attends over each request's whole sequence, prefix then new tokens, laid out
-    request-major with boundaries `kv_indptr` (`qo_indptr` when no request has a prefix).
-    `prefix_positions`/`new_positions` say where the prefixes' store entries and the batch's new
-    tokens go in that layout (None when no request has a prefix). `keeps` [B] (None: all) marks
+    request-major: `keys` bounds the requests' keys (each key's request and position computed once,
+    for every layer). `prefix_positions`/`new_positions` say where the prefixes' store entries and
+    the batch's new tokens go in that layout (None when no request has a prefix: the keys are the
+    new tokens, bounded by `qo_indptr`). `keeps` [B] (None: all) marks
     the requests that keep entries: a chunk before a prompt's last keeps none (its tokens are
     only stored), and `kept_positions` are then the sequence positions of the requests that do.
     `store_positions`: which of the batch's new tokens the columns' `store_slots` store;
@@ -115,19 +117,20 @@ class ForwardPlan:
     batch with its requests (empty: the server's policy serves them all). `row_kinds` (a decode
     step) [B, 2] int32: each request's policy's `decode_rule` (score update, first score), when
     some request decodes otherwise than the server's policy (None: every row as the server's); a
-    captured step always reads them (its buffers'). `sentence_ends` [total_kv] bool: the
-    sequence's keys whose token ends a sentence (a prefill on a server that knows its tokens;
-    `sglang_kvsparse.policies.sentences`), else None. `evictions`: a decode step's, one per group and
-    (budget, policy) among its evicting requests. `max_q_len` / `max_kv_len` (a prefill): the most
-    new tokens and the longest sequence of a request, known on the host, so the kernels size their
-    launches without reading the boundaries back from the device (None: they read them).
+    captured step always reads them (its buffers'). `sentences` [total_kv] int64: each key's
+    sentence (a prefill on a server that knows its tokens;
+    `sglang_kvsparse.policies.sentences.sentence_numbers`), else None. `evictions`: a decode step's,
+    one per group and (budget, policy) among its evicting requests. `max_q_len` (a prefill): the
+    most new tokens of a request, known on the host, so the kernels size their launches without
+    reading the boundaries back from the device (None: they read them), as `keys.max_len` does
+    for the keys.
     """
 
     qo_indptr: torch.Tensor
     columns: tuple[tuple[ColumnPlan, ...], ...]  # [group][column]; a decode step's: () (`column`)
     sink: int = 0
     window: int = 0
-    kv_indptr: torch.Tensor | None = None
+    keys: Segments | None = None  # a prefill's
     prefix_positions: torch.Tensor | None = None
     new_positions: torch.Tensor | None = None
     keeps: torch.Tensor | None = None
@@ -138,9 +141,8 @@ class ForwardPlan:
     evictions: tuple[Eviction, ...] = ()
     policy_groups: tuple[PolicyGroup, ...] = ()
     row_kinds: torch.Tensor | None = None
-    sentence_ends: torch.Tensor | None = None
+    sentences: torch.Tensor | None = None
     max_q_len: int | None = None
-    max_kv_len: int | None = None
 
     def column(self, place: LayerPlace) -> ColumnPlan:
         """The column's plan: a prefill's from `columns`; a decode step's (whose `columns` is

@@ -15,7 +15,7 @@ import torch
 from sglang_kvsparse import kernels
 from sglang_kvsparse.forward.guide import PrefillGuide
 from sglang_kvsparse.forward.plans import ColumnPlan, ForwardPlan, MixedPlan, PolicyGroup
-from sglang_kvsparse.kernels.common import FP8_DTYPES, positions_in_segment, quantize, segment_ids
+from sglang_kvsparse.kernels.common import FP8_DTYPES, Segments, quantize
 from sglang_kvsparse.policies import PrefillScoringInputs, ScoringPolicy, StreamingLLMPolicy
 from sglang_kvsparse.state.device_copy import upload
 from sglang_kvsparse.state.layout import LayerPlace
@@ -81,7 +81,8 @@ def sparse_extend(
     groups = layer_policies(plan, policy, sliding_window)
     if buffers.k.dtype in FP8_DTYPES:
         k, v = quantize(k, buffers.k.dtype, scales.k), quantize(v, buffers.v.dtype, scales.v)
-    k_all, v_all, kv_indptr = sequence_kv(k, v, plan, column, buffers)
+    k_all, v_all = sequence_kv(k, v, plan, column, buffers)
+    keys = plan.keys
     positions = torch.arange(k_all.shape[0], device=k.device, dtype=torch.int64)
     guiding = guide is not None and guide.guides(layer_id)
     guided = column.guided if guide is not None and column.compress else None
@@ -93,7 +94,7 @@ def sparse_extend(
         k_all,
         v_all,
         plan.qo_indptr,
-        kv_indptr,
+        keys.indptr,
         positions,
         sm_scale,
         with_stats=scoring,
@@ -104,7 +105,6 @@ def sparse_extend(
     )
     if column.store_slots is not None and column.store_slots.numel():
         _write(buffers, column.store_slots, k[plan.store_positions], v[plan.store_positions])
-    requests = segment_ids(kv_indptr, k_all.shape[0])  # each key's request in the batch
     scores = None
     if scoring:
         inputs = PrefillScoringInputs(
@@ -112,28 +112,27 @@ def sparse_extend(
             k_all,
             lse,
             plan.qo_indptr,
-            kv_indptr,
+            keys,
             positions,
             sm_scale,
             plan.window,
             plan.sink,
-            plan.sentence_ends,
+            plan.sentences,
             scales.k,
-            plan.max_kv_len,
         )
         for group in groups:
             mine = group.policy.score(inputs)  # of the whole batch: a batch mixes policies rarely
-            scores = mine if scores is None else torch.where(group.mask[requests][:, None], mine, scores)
+            scores = mine if scores is None else torch.where(group.mask[keys.ids][:, None], mine, scores)
     if guiding:
         guide.add(layer_id, scores)
     if not column.compress:
-        _keep_all(k_all, v_all, kv_indptr, requests, plan, column, buffers, groups, scales.k)
+        _keep_all(k_all, v_all, keys, plan, column, buffers, groups, scales.k)
     elif guided is None or not bool(guided.any()):
-        _keep(k_all, v_all, kv_indptr, scores, plan, column, buffers)
+        _keep(k_all, v_all, keys, scores, plan, column, buffers)
     else:
         own = ~guided
         if bool(own.any()):  # the requests that keep by this layer's own scores keep now
-            _keep(k_all, v_all, kv_indptr, scores, plan, column, buffers, only=own)
+            _keep(k_all, v_all, keys, scores, plan, column, buffers, only=own)
         # The guided requests' new tokens wait in heap rows of their own (`ColumnPlan.work_slots`).
         _write(buffers, column.work_slots, k[plan.work_positions], v[plan.work_positions])
 
@@ -141,9 +140,9 @@ def sparse_extend(
             k_new, v_new = torch.zeros_like(k), torch.zeros_like(v)
             _set_rows(k_new, plan.work_positions, _rows(buffers.k, column.work_slots).to(k.dtype))
             _set_rows(v_new, plan.work_positions, _rows(buffers.v, column.work_slots).to(v.dtype))
-            k_seq, v_seq, indptr = sequence_kv(k_new, v_new, plan, column, buffers)
+            k_seq, v_seq = sequence_kv(k_new, v_new, plan, column, buffers)
             by = guide_scores[:, None].expand(-1, k.shape[1])
-            _keep(k_seq, v_seq, indptr, by, plan, column, buffers, only=guided)
+            _keep(k_seq, v_seq, keys, by, plan, column, buffers, only=guided)
 
         guide.defer(keep_by_guide)
     return o
@@ -152,8 +151,7 @@ def sparse_extend(
 def _keep_all(
     k_all: torch.Tensor,
     v_all: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    requests: torch.Tensor,
+    keys: Segments,
     plan: ForwardPlan,
     column: ColumnPlan,
     buffers: LaneBuffers,
@@ -163,7 +161,7 @@ def _keep_all(
     """Every request fits its budget: its entries are all stored, scored as decoded keys are
     (from the real keys: FP8 ones times `k_scale`), so that later evictions compare them in the
     policy's units."""
-    in_sequence = positions_in_segment(kv_indptr, k_all.shape[0])
+    in_sequence, requests = keys.positions, keys.ids
     if plan.kept_positions is not None:
         k_all, v_all = _rows(k_all, plan.kept_positions), _rows(v_all, plan.kept_positions)
         in_sequence, requests = in_sequence[plan.kept_positions], requests[plan.kept_positions]
@@ -180,7 +178,7 @@ def _keep_all(
 def _keep(
     k_all: torch.Tensor,
     v_all: torch.Tensor,
-    kv_indptr: torch.Tensor,
+    keys: Segments,
     scores: torch.Tensor,
     plan: ForwardPlan,
     column: ColumnPlan,
@@ -191,13 +189,7 @@ def _keep(
     scatter the kept K/V and their scores into the requests' rows; with `only` (host [B]), into
     the rows of those requests alone, the others' left as they are."""
     kept, kept_lens = kernels.select_kept(
-        scores,
-        kv_indptr,
-        column.budgets,
-        plan.sink,
-        plan.window,
-        max_len=plan.max_kv_len,
-        budget_on_device=column.device_budgets,
+        scores, keys, column.budgets, plan.sink, plan.window, budget_on_device=column.device_budgets
     )
     if plan.keeps is not None:
         kept_lens = kept_lens * plan.keeps
@@ -211,7 +203,7 @@ def _keep(
         chosen, mask = upload([chosen, only], slots.device)
         slots, score_slots = slots[chosen], score_slots[chosen]
         kept_lens = kept_lens * mask
-    src = kept_sources(kept, kept_lens, kv_indptr, slots.shape[0])
+    src = kept_sources(kept, kept_lens, keys.indptr, slots.shape[0])
     heads = torch.arange(k_all.shape[1], device=k_all.device)[None, :]
     dst = slots[:, None]
     _set_rows(buffers.k, (dst, heads), _rows(k_all, (src, heads)).to(buffers.k.dtype))
@@ -230,11 +222,11 @@ def layer_policies(plan: ForwardPlan, policy: ScoringPolicy, sliding_window: int
 
 def sequence_kv(
     k: torch.Tensor, v: torch.Tensor, plan: ForwardPlan, column: ColumnPlan, buffers: LaneBuffers
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's keys and values in sequence order (cached prefix, then its new tokens),
-    request-major, and their boundaries. Without prefixes that is the batch's own `k`/`v`."""
+    request-major, as `plan.keys` bounds them. Without prefixes that is the batch's own `k`/`v`."""
     if plan.prefix_positions is None:
-        return k, v, plan.qo_indptr
+        return k, v
     total = plan.prefix_positions.numel() + k.shape[0]
     k_all = k.new_empty((total, *k.shape[1:]))
     v_all = v.new_empty((total, *v.shape[1:]))
@@ -242,7 +234,7 @@ def sequence_kv(
     _set_rows(v_all, plan.new_positions, v)
     _set_rows(k_all, plan.prefix_positions, _rows(buffers.k, column.prefix_slots).to(k.dtype))
     _set_rows(v_all, plan.prefix_positions, _rows(buffers.v, column.prefix_slots).to(v.dtype))
-    return k_all, v_all, plan.kv_indptr
+    return k_all, v_all
 
 
 def kept_sources(kept: torch.Tensor, kept_lens: torch.Tensor, kv_indptr: torch.Tensor, total: int) -> torch.Tensor:
@@ -254,9 +246,8 @@ def kept_sources(kept: torch.Tensor, kept_lens: torch.Tensor, kv_indptr: torch.T
     """
     kept_indptr = torch.zeros(kept_lens.numel() + 1, dtype=torch.int64, device=kept.device)
     kept_indptr[1:] = torch.cumsum(kept_lens, 0)
-    request = segment_ids(kept_indptr, total)
-    entry = torch.arange(total, device=kept.device) - kept_indptr[request]
-    return kept[request, :, entry] + kv_indptr.to(torch.int64)[request, None]
+    entries = Segments(kept_indptr, total, kept.shape[2])
+    return kept[entries.ids, :, entries.positions] + kv_indptr.to(torch.int64)[entries.ids, None]
 
 
 def sparse_decode(

@@ -24,6 +24,7 @@ from sglang_kvsparse.forward.guide import PrefillGuide
 from sglang_kvsparse.forward.planning import plan_extend
 from sglang_kvsparse.forward.plans import ForwardPlan, MixedPlan
 from sglang_kvsparse.forward.sparse_attention import UNIT_SCALES, KVScales, sparse_decode, sparse_extend, sparse_mixed
+from sglang_kvsparse.policies.sentences import sentence_numbers
 from sglang_kvsparse.state.requests import Phase
 from sglang_kvsparse.state.sparse_state import SparseState
 
@@ -153,9 +154,9 @@ class SparseForward:
         prefix_ids: Sequence[torch.Tensor],
         new_slots: torch.Tensor,
     ) -> ForwardPlan:
-        """The prefill's plan, with the sentence ends of its keys where the server marks them
-        (counted for the requests that keep entries: a chunk before its prompt's last only stores
-        them; the last one reads the whole prompt)."""
+        """The prefill's plan, with its keys' sentences numbered once for every layer where the
+        server marks sentence ends (counted for the requests that keep entries: a chunk before its
+        prompt's last only stores them; the last one reads the whole prompt)."""
         prefix_ids = list(prefix_ids[: len(req_indices)])
         plan = plan_extend(self.state, req_indices, prefix_lens, extend_lens, prefix_ids, new_slots, self.device)
         marks = self.state.sentence_marks
@@ -163,7 +164,7 @@ class SparseForward:
             return plan
         ends = marks.ends_at(prefix_ids, new_slots, list(extend_lens))
         marks.count(ends if plan.kept_positions is None else ends[plan.kept_positions])
-        return replace(plan, sentence_ends=ends)
+        return replace(plan, sentences=sentence_numbers(ends, plan.keys))
 
     def _prefill_guide(self, plan: ForwardPlan) -> PrefillGuide | None:
         """A guide for this prefill when the configuration names guide layers and some sparse

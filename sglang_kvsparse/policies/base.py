@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from sglang_kvsparse.kernels import FIRST_SCORES, SCORE_UPDATES, FirstScore, ScoreUpdate, window_scores
+from sglang_kvsparse.kernels.common import Segments
 
 
 @dataclass(frozen=True)
@@ -34,23 +35,23 @@ class PrefillScoringInputs:
 
     The new tokens' K/V are already in ``k_buf``; ``lse`` holds each new query row's softmax
     log-sum-exp from `extend_attention_with_stats`, so attention probabilities can be recomputed
-    for a few queries without a second full softmax. ``sentence_ends`` marks the keys whose
-    token ends a sentence (`sglang_kvsparse.policies.sentences`); None where the server has no token ids
-    (no tokenizer), and policies then score without sentences.
+    for a few queries without a second full softmax. ``keys`` bounds the requests' keys (each
+    key's request and position computed once per forward, `Segments`). ``sentences`` numbers each
+    key's sentence (`sglang_kvsparse.policies.sentences.sentence_numbers`); None where the server
+    has no token ids (no tokenizer), and policies then score without sentences.
     """
 
     q: torch.Tensor  # [num_q_tokens, H_q, D]
     k_buf: torch.Tensor  # [num_slots, H_kv, D]
     lse: torch.Tensor  # [num_q_tokens, H_q] float32
     qo_indptr: torch.Tensor  # int32 [B+1]
-    kv_indptr: torch.Tensor  # int32 [B+1]
+    keys: Segments  # the requests' keys, [B+1] bounds, aligned with kv_indices
     kv_indices: torch.Tensor  # [total_kv] slot ids, request-major, in sequence order
     sm_scale: float
     window: int  # observation window alpha
     sink: int  # the first keys every selection keeps (attention sinks)
-    sentence_ends: torch.Tensor | None = None  # [total_kv] bool, aligned with kv_indices
+    sentences: torch.Tensor | None = None  # [total_kv] int64, aligned with kv_indices
     k_scale: float = 1.0  # an FP8 `k_buf`'s scale: a stored key times it is the real one
-    max_kv_len: int | None = None  # the longest request's keys, when the host knows it (no sync)
 
     def attention_from_last(self, queries: int) -> torch.Tensor:
         """[total_kv, H_kv] float32: each key's attention from its request's last `queries` new
@@ -61,12 +62,12 @@ class PrefillScoringInputs:
             self.k_buf,
             self.lse,
             self.qo_indptr,
-            self.kv_indptr,
+            self.keys.indptr,
             self.kv_indices,
             queries,
             self.sm_scale,
             k_scale=self.k_scale,
-            max_kv_len=self.max_kv_len,
+            max_kv_len=self.keys.max_len,
         )
 
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from sglang_kvsparse.kernels import position_hash
-from sglang_kvsparse.kernels.common import positions_in_segment
 from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
 
 
@@ -28,5 +27,4 @@ class RandomPolicy(ScoringPolicy):
     first_score = "position_hash"
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
-        positions = positions_in_segment(inputs.kv_indptr, inputs.kv_indices.numel())
-        return position_hash(positions, inputs.k_buf.shape[1])
+        return position_hash(inputs.keys.positions, inputs.k_buf.shape[1])

@@ -57,4 +57,4 @@ class SnapKVPolicy(ScoringPolicy):
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
         raw = inputs.attention_from_last(inputs.window)
-        return pool_scores(raw, inputs.kv_indptr, self.pool_kernel, self.pool_kind)
+        return pool_scores(raw, inputs.keys, self.pool_kernel, self.pool_kind)

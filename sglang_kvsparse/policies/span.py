@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from sglang_kvsparse.kernels import peaks, spread_scores
+from sglang_kvsparse.kernels.common import Segments
 from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
-from sglang_kvsparse.policies.sentences import raise_to_sentence_best, sentence_numbers
+from sglang_kvsparse.policies.sentences import raise_to_sentence_best
 from sglang_kvsparse.policies.snapkv import require_count, require_share
 
 #: Upper bound of `long_follow` (as `snapkv.WIDEST_POOL`): a follow costs a few operations per
@@ -18,10 +19,6 @@ LONGEST_FOLLOW = 256
 #: Places followed per request and KV head: the best one (two answered fewer on the frozen suite,
 #: `bench/results/ablation-final-2026-12-04.md`).
 LONG_PEAKS = 1
-#: Keys after which a sentence is cut even without an end mark: text without punctuation (code,
-#: tables) is not one sentence. (Cutting at 1,024 in its place gave the same answers on the frozen
-#: suite, whose text has punctuation.)
-SENTENCE_KEYS = 64
 
 
 @dataclass(frozen=True)
@@ -33,7 +30,7 @@ class SpanPolicy(ScoringPolicy):
     question's attention lands on the first token of an answer (a UUID, a number) and the tokens
     after it come along. Decode adds each step's attention (H2O-style). Last, where the server knows
     the prompt's tokens, each key is raised to `sentence` times the best score of its sentence
-    (`sglang_kvsparse.policies.sentences`; sentences longer than `SENTENCE_KEYS` keys are cut), so that a
+    (`sglang_kvsparse.policies.sentences`; sentences longer than its `SENTENCE_KEYS` keys are cut), so that a
     fact is kept with the words that say what it is.
 
     Defaults: `long_follow` 40 covers a UUID (in SmolLM2's tokenizer, digit by digit) where a long
@@ -53,25 +50,23 @@ class SpanPolicy(ScoringPolicy):
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
         attention = inputs.attention_from_last(inputs.window)
-        spread = self.spread(attention, inputs.kv_indptr, inputs.sink, inputs.window)
-        return self.by_sentence(spread, inputs.kv_indptr, inputs.sentence_ends)
+        spread = self.spread(attention, inputs.keys, inputs.sink, inputs.window)
+        return self.by_sentence(spread, inputs.sentences)
 
-    def by_sentence(
-        self, scores: torch.Tensor, kv_indptr: torch.Tensor, sentence_ends: torch.Tensor | None
-    ) -> torch.Tensor:
-        """`scores` [total_kv, H_kv], each key raised to `sentence` times its sentence's best;
-        unchanged when `sentence` is 0 or the sentence ends are unknown (None)."""
-        if not self.sentence or sentence_ends is None:
+    def by_sentence(self, scores: torch.Tensor, sentences: torch.Tensor | None) -> torch.Tensor:
+        """`scores` [total_kv, H_kv], each key raised to `sentence` times its sentence's best
+        (`sentences`: each key's sentence number); unchanged when `sentence` is 0 or the sentences
+        are unknown (None)."""
+        if not self.sentence or sentences is None:
             return scores
-        sentences = sentence_numbers(sentence_ends, kv_indptr, SENTENCE_KEYS)
         return raise_to_sentence_best(scores, sentences, self.sentence)
 
-    def spread(self, attention: torch.Tensor, kv_indptr: torch.Tensor, sink: int, window: int) -> torch.Tensor:
+    def spread(self, attention: torch.Tensor, keys: Segments, sink: int, window: int) -> torch.Tensor:
         """`span`'s scores from the window's attention [total_kv, H_kv] (requests bounded by
-        `kv_indptr`; `sink` and `window` as the selection protects them)."""
+        `keys`; `sink` and `window` as the selection protects them)."""
         if not self.long_follow:
             return attention
-        best = peaks(attention, kv_indptr, LONG_PEAKS, self.long_follow, sink, window + self.long_follow)
+        best = peaks(attention, keys, LONG_PEAKS, self.long_follow, sink, window + self.long_follow)
         # Attention mass is >= 0, so 0 leaves every other key to its own score.
-        longer = spread_scores(torch.where(best, attention, 0.0), kv_indptr, self.long_follow)
+        longer = spread_scores(torch.where(best, attention, 0.0), keys, self.long_follow)
         return torch.maximum(attention, longer)

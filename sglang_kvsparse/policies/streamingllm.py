@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_kvsparse.kernels.common import positions_in_segment
 from sglang_kvsparse.policies.base import PrefillScoringInputs, ScoringPolicy
 
 
@@ -24,7 +23,5 @@ class StreamingLLMPolicy(ScoringPolicy):
     first_score = "position"
 
     def score(self, inputs: PrefillScoringInputs) -> torch.Tensor:
-        total = inputs.kv_indices.numel()
-        heads = inputs.k_buf.shape[1]
-        position = positions_in_segment(inputs.kv_indptr, total).to(torch.float32)
-        return position[:, None].expand(total, heads).contiguous()
+        position = inputs.keys.positions.to(torch.float32)
+        return position[:, None].expand(-1, inputs.k_buf.shape[1]).contiguous()

@@ -13,7 +13,7 @@ from sglang_kvsparse.kernels import (
     extend_attention_with_stats_torch,
     window_scores_torch,
 )
-from sglang_kvsparse.kernels.common import segment_ids
+from sglang_kvsparse.kernels.common import Segments
 from sglang_kvsparse.kernels.testing import as_table, decode_queries, kv_lens_of, make_ragged_batch, rel_error
 
 REL = 1e-10
@@ -28,8 +28,8 @@ def dense_probs(batch, group, sliding: int = 0):
     k = batch.k_buf.double()[batch.kv_indices]  # [T_kv, H_kv, D]
     k = k.repeat_interleave(group, dim=1)  # [T_kv, H_q, D]
     logits = torch.einsum("ihd,thd->iht", q, k) * batch.sm_scale
-    q_req = segment_ids(batch.qo_indptr, q.shape[0])
-    kv_req = segment_ids(batch.kv_indptr, k.shape[0])
+    q_req = Segments.of(batch.qo_indptr).ids
+    kv_req = Segments.of(batch.kv_indptr).ids
     q_pos = torch.arange(q.shape[0]) - batch.qo_indptr.long()[q_req]
     q_pos = q_pos + (batch.kv_indptr.diff() - batch.qo_indptr.diff()).long()[q_req]
     kv_pos = torch.arange(k.shape[0]) - batch.kv_indptr.long()[kv_req]
@@ -71,7 +71,7 @@ def test_window_reference_matches_dense(window):
     group, heads = 3, 2
     batch = make_ragged_batch(Q_LENS, KV_LENS, heads, group, 16, torch.float64)
     probs, lse = dense_probs(batch, group)
-    q_req = segment_ids(batch.qo_indptr, batch.q.shape[0])
+    q_req = Segments.of(batch.qo_indptr).ids
     from_end = batch.qo_indptr.long()[1:][q_req] - torch.arange(batch.q.shape[0])  # 1 = last query
     weight = (from_end <= window).double()  # [T_q]
     dense = (probs * weight[:, None, None]).sum(0)  # [H_q, T_kv]
@@ -102,7 +102,7 @@ def test_decode_reference_matches_dense(kv_lens, sliding):
     k = batch.k_buf[batch.kv_indices].repeat_interleave(group, dim=1)  # [T_kv, H_q, D]
     v = batch.v_buf[batch.kv_indices].repeat_interleave(group, dim=1)
     logits = torch.einsum("bhd,thd->bht", q, k) * batch.sm_scale
-    kv_req = segment_ids(batch.kv_indptr, k.shape[0])
+    kv_req = Segments.of(batch.kv_indptr).ids
     same = torch.arange(q.shape[0])[:, None] == kv_req[None, :]
     if sliding:
         from_end = batch.kv_indptr.long()[1:][kv_req] - torch.arange(k.shape[0])  # 1 = a row's last key

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from sglang_kvsparse.kernels import peaks, pool_scores, select_kept, select_rows, spread_scores
+from sglang_kvsparse.kernels.common import Segments
 from sglang_kvsparse.kernels.testing import indptr_from_lens
 
 LENS = [1, 7, 30, 4, 19]
@@ -43,7 +44,7 @@ def test_pool_matches_naive(kernel_size, kind):
     """Max pooling (doubling look-back and look-ahead maxima) is the naive sliding max exactly,
     from no pooling to windows wider than every request."""
     scores = torch.rand(sum(LENS), 2, generator=torch.Generator().manual_seed(kernel_size))
-    pooled = pool_scores(scores, indptr_from_lens(LENS, "cpu"), kernel_size, kind)
+    pooled = pool_scores(scores, Segments.of(indptr_from_lens(LENS, "cpu")), kernel_size, kind)
     expected = naive_pool(scores, LENS, kernel_size, kind)
     if kind == "max":
         assert torch.equal(pooled, expected)
@@ -55,14 +56,14 @@ def test_max_pool_wider_than_the_whole_batch():
     """Steps of the running max longer than the batch itself (a 9-key batch, radius 30)."""
     lens = [2, 7]
     scores = torch.rand(sum(lens), 3, generator=torch.Generator().manual_seed(5))
-    pooled = pool_scores(scores, indptr_from_lens(lens, "cpu"), 61, "max")
+    pooled = pool_scores(scores, Segments.of(indptr_from_lens(lens, "cpu")), 61, "max")
     assert torch.equal(pooled, naive_pool(scores, lens, 61, "max"))
 
 
 def test_pool_does_not_bleed_across_requests():
     scores = torch.zeros(sum(LENS), 1)
     scores[7] = 100.0  # last key of request 1
-    pooled = pool_scores(scores, indptr_from_lens(LENS, "cpu"), 5, "max")
+    pooled = pool_scores(scores, Segments.of(indptr_from_lens(LENS, "cpu")), 5, "max")
     assert pooled[8:10].abs().sum() == 0  # first keys of request 2 stay 0
     assert pooled[5:8].min() == 100.0
 
@@ -70,14 +71,14 @@ def test_pool_does_not_bleed_across_requests():
 @pytest.mark.parametrize("kernel_size, kind", [(4, "max"), (0, "avg"), (3, "sum")])
 def test_pool_rejects_bad_arguments(kernel_size, kind):
     with pytest.raises(ValueError):
-        pool_scores(torch.zeros(5, 1), indptr_from_lens([5], "cpu"), kernel_size, kind)
+        pool_scores(torch.zeros(5, 1), Segments.of(indptr_from_lens([5], "cpu")), kernel_size, kind)
 
 
 @pytest.mark.parametrize("follow", [0, 1, 2, 5, 16, 40])
 def test_spread_matches_naive_and_stays_in_its_request(follow):
     """Each key gets the max of itself and the `follow` keys before it in its own request."""
     scores = torch.rand(sum(LENS), 3, generator=torch.Generator().manual_seed(follow))
-    spread = spread_scores(scores, indptr_from_lens(LENS, "cpu"), follow)
+    spread = spread_scores(scores, Segments.of(indptr_from_lens(LENS, "cpu")), follow)
     expected, start = [], 0
     for n in LENS:
         seg = scores[start : start + n]
@@ -85,7 +86,7 @@ def test_spread_matches_naive_and_stays_in_its_request(follow):
         start += n
     assert torch.equal(spread, torch.stack(expected))
     with pytest.raises(ValueError, match="follow must be >= 0"):
-        spread_scores(scores, indptr_from_lens(LENS, "cpu"), -1)
+        spread_scores(scores, Segments.of(indptr_from_lens(LENS, "cpu")), -1)
 
 
 def naive_peaks(scores, lens, count, radius, skip_first, skip_last):
@@ -120,18 +121,18 @@ def test_peaks_match_naive(count, radius, skip_first, skip_last, ties, lens):
     scores = torch.rand(sum(lens), 3, generator=torch.Generator().manual_seed(radius))
     if ties:  # plateaus, as max pooling makes them
         scores = (scores * 4).round() / 4
-    best = peaks(scores, indptr_from_lens(lens, "cpu"), count, radius, skip_first, skip_last)
+    best = peaks(scores, Segments.of(indptr_from_lens(lens, "cpu")), count, radius, skip_first, skip_last)
     if count == 0:
         assert not best.any()
     assert torch.equal(best, naive_peaks(scores, lens, max(count, 1), radius, skip_first, skip_last) & (count > 0))
     with pytest.raises(ValueError, match="need count, radius"):
-        peaks(scores, indptr_from_lens(lens, "cpu"), -1, radius, skip_first, skip_last)
+        peaks(scores, Segments.of(indptr_from_lens(lens, "cpu")), -1, radius, skip_first, skip_last)
 
 
 @pytest.mark.parametrize("budget, sink, window", [(10, 2, 3), (5, 0, 0), (6, 6, 0), (30, 1, 1)])
 def test_select_matches_naive(budget, sink, window):
     scores = torch.rand(sum(LENS), 3, generator=torch.Generator().manual_seed(budget))
-    kept, kept_lens = select_kept(scores, indptr_from_lens(LENS, "cpu"), budget, sink, window)
+    kept, kept_lens = select_kept(scores, Segments.of(indptr_from_lens(LENS, "cpu")), budget, sink, window)
     expected = naive_select(scores, LENS, budget, sink, window)
     assert kept.dtype == torch.int64 and kept.shape == (len(LENS), 3, min(budget, max(LENS)))
     assert kept_lens.tolist() == [min(n, budget) for n in LENS]
@@ -146,7 +147,7 @@ def test_select_with_each_requests_own_budget_matches_naive_per_request():
     """A [B] budget keeps, for each request, what a call with its budget alone keeps."""
     budgets = [3, 7, 12, 4, 25]
     scores = torch.rand(sum(LENS), 3, generator=torch.Generator().manual_seed(7))
-    kept, kept_lens = select_kept(scores, indptr_from_lens(LENS, "cpu"), torch.tensor(budgets), 1, 2)
+    kept, kept_lens = select_kept(scores, Segments.of(indptr_from_lens(LENS, "cpu")), torch.tensor(budgets), 1, 2)
     assert kept.shape == (len(LENS), 3, min(max(budgets), max(LENS)))
     assert kept_lens.tolist() == [min(n, b) for n, b in zip(LENS, budgets)]
     start = 0
@@ -157,9 +158,9 @@ def test_select_with_each_requests_own_budget_matches_naive_per_request():
             assert kept[b, h, : len(positions)].tolist() == positions
             assert (kept[b, h, len(positions) :] == -1).all()
     with pytest.raises(ValueError, match="2 budgets for 5 requests"):
-        select_kept(scores, indptr_from_lens(LENS, "cpu"), torch.tensor([4, 4]), 1, 2)
+        select_kept(scores, Segments.of(indptr_from_lens(LENS, "cpu")), torch.tensor([4, 4]), 1, 2)
     with pytest.raises(ValueError, match="exceeds the budget \\(2\\)"):
-        select_kept(scores, indptr_from_lens(LENS, "cpu"), torch.tensor([4, 4, 2, 4, 4]), 1, 2)
+        select_kept(scores, Segments.of(indptr_from_lens(LENS, "cpu")), torch.tensor([4, 4, 2, 4, 4]), 1, 2)
 
 
 def test_a_request_keeps_the_same_alone_or_in_any_batch_even_with_tied_scores():
@@ -168,9 +169,9 @@ def test_a_request_keeps_the_same_alone_or_in_any_batch_even_with_tied_scores():
     generator = torch.Generator().manual_seed(11)
     alone = torch.randint(0, 4, (22, 2), generator=generator).float()  # many ties
     others = torch.randn(26 + 9, 2, generator=generator)
-    kept_alone, _ = select_kept(alone, indptr_from_lens([22], "cpu"), 8, 1, 2)
+    kept_alone, _ = select_kept(alone, Segments.of(indptr_from_lens([22], "cpu")), 8, 1, 2)
     batch = torch.cat([others[:26], alone, others[26:]])
-    kept_batch, _ = select_kept(batch, indptr_from_lens([26, 22, 9], "cpu"), 8, 1, 2)
+    kept_batch, _ = select_kept(batch, Segments.of(indptr_from_lens([26, 22, 9], "cpu")), 8, 1, 2)
     assert torch.equal(kept_batch[1], kept_alone[0])
     (expected,) = naive_select(alone, [22], 8, 1, 2)  # sorted() is stable: earliest of equal scores
     assert kept_alone[0].tolist() == expected
@@ -178,7 +179,7 @@ def test_a_request_keeps_the_same_alone_or_in_any_batch_even_with_tied_scores():
 
 def test_select_rejects_protected_over_budget():
     with pytest.raises(ValueError):
-        select_kept(torch.zeros(10, 1), indptr_from_lens([10], "cpu"), budget=4, sink=2, window=3)
+        select_kept(torch.zeros(10, 1), Segments.of(indptr_from_lens([10], "cpu")), budget=4, sink=2, window=3)
 
 
 @pytest.mark.parametrize("budget, sink, window", [(8, 1, 2), (5, 0, 0), (12, 4, 8), (20, 2, 3)])
@@ -201,7 +202,7 @@ def test_select_rows_matches_naive_and_select_kept(budget, sink, window, ties):
             protected = set(range(sink)) | set(range(n - window, n))
             rest = sorted(set(range(n)) - protected, key=lambda i: (-float(scores[r, i, h]), i))
             assert got == sorted(protected | set(rest[: budget - len(protected)])), (r, h)
-    reference, _ = select_kept(flat, indptr_from_lens(lens, "cpu"), budget, sink, window)
+    reference, _ = select_kept(flat, Segments.of(indptr_from_lens(lens, "cpu")), budget, sink, window)
     assert torch.equal(kept.transpose(1, 2), reference)
 
 

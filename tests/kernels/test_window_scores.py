@@ -18,7 +18,7 @@ from sglang_kvsparse.kernels import (
     select_kept,
     window_scores,
 )
-from sglang_kvsparse.kernels.common import segment_ids
+from sglang_kvsparse.kernels.common import Segments
 from sglang_kvsparse.kernels.testing import make_ragged_batch, rel_error
 
 REL = {torch.float32: 1e-5, torch.float16: 1e-4}
@@ -32,7 +32,7 @@ def window_inputs(batch, window):
         batch.q, batch.k_buf, batch.v_buf, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.sm_scale
     )
     rows = torch.arange(batch.q.shape[0], device=batch.q.device)
-    req = segment_ids(batch.qo_indptr, batch.q.shape[0])
+    req = Segments.of(batch.qo_indptr).ids
     outside = batch.qo_indptr.long()[1:][req] - rows > window
     q = batch.q.masked_fill(outside[:, None, None], float("nan"))
     return q, lse.masked_fill(outside[:, None], float("nan"))
@@ -95,7 +95,7 @@ def test_scores_sum_to_window_mass(device):
     batch = make_ragged_batch(Q_LENS, KV_LENS, 2, 4, 64, torch.float32, device, seed=2)
     scores, _ = run_both(batch, 16)
     per_request = torch.zeros(len(Q_LENS), dtype=torch.float64)
-    per_request.index_add_(0, segment_ids(batch.kv_indptr, scores.shape[0]).cpu(), scores.sum(1).double().cpu())
+    per_request.index_add_(0, Segments.of(batch.kv_indptr).ids.cpu(), scores.sum(1).double().cpu())
     expected = torch.tensor([min(16, n) * 8 for n in Q_LENS], dtype=torch.float64)
     assert torch.allclose(per_request, expected, rtol=1e-5)
 
@@ -104,8 +104,9 @@ def test_window_then_pool_then_select(device):
     """The prefill pipeline end to end: kept sets are valid positions and include protected ones."""
     batch = make_ragged_batch(Q_LENS, KV_LENS, 2, 3, 64, torch.float32, device, seed=4)
     scores, _ = run_both(batch, 8)
-    pooled = pool_scores(scores, batch.kv_indptr, 5, "max")
-    kept, kept_lens = select_kept(pooled, batch.kv_indptr, budget=64, sink=4, window=8)
+    keys = Segments.of(batch.kv_indptr)
+    pooled = pool_scores(scores, keys, 5, "max")
+    kept, kept_lens = select_kept(pooled, keys, budget=64, sink=4, window=8)
     assert kept.shape == (4, 2, 64)
     assert kept_lens.tolist() == [37, 64, 64, 64]
     for b, length in enumerate(KV_LENS):

@@ -10,8 +10,10 @@ import torch
 
 from sglang_kvsparse.config import parse_config
 from sglang_kvsparse.kernels import FIRST_SCORES, SCORE_UPDATES, extend_attention_with_stats, first_scores, select_kept
+from sglang_kvsparse.kernels.common import Segments
 from sglang_kvsparse.kernels.testing import make_ragged_batch
 from sglang_kvsparse.policies import POLICIES, PrefillScoringInputs, SnapKVPolicy
+from sglang_kvsparse.policies.sentences import sentence_numbers
 
 KV_LENS = [37, 80, 53]
 Q_LENS = [37, 24, 53]  # the second request extends a cached prefix of 56 tokens
@@ -36,7 +38,7 @@ def _inputs(seed: int = 0) -> PrefillScoringInputs:
         k_buf=batch.k_buf,
         lse=lse,
         qo_indptr=batch.qo_indptr,
-        kv_indptr=batch.kv_indptr,
+        keys=Segments.of(batch.kv_indptr),
         kv_indices=batch.kv_indices,
         sm_scale=batch.sm_scale,
         window=WINDOW,
@@ -80,7 +82,7 @@ def test_scores_follow_the_keys_not_their_slots(name):
 def test_selection_keeps_protected_and_budget(name):
     inputs = _inputs()
     scores = POLICIES[name]().score(inputs)
-    kept, kept_lens = select_kept(scores, inputs.kv_indptr, budget=32, sink=4, window=WINDOW)
+    kept, kept_lens = select_kept(scores, inputs.keys, budget=32, sink=4, window=WINDOW)
     assert kept_lens.tolist() == [32, 32, 32]
     for b, length in enumerate(KV_LENS):
         for h in range(3):
@@ -92,7 +94,7 @@ def test_snapkv_prefers_the_key_the_window_attends_to():
     inputs = _inputs()
     # Make request 1's window queries on head group 0 point at its key at position 20.
     end = int(inputs.qo_indptr[2])
-    slot = int(inputs.kv_indices[int(inputs.kv_indptr[1]) + 20])
+    slot = int(inputs.kv_indices[int(inputs.keys.indptr[1]) + 20])
     direction = torch.randn(64, generator=torch.Generator().manual_seed(9))
     q = inputs.q.clone()
     q[end - WINDOW : end, 0:3] = direction
@@ -103,24 +105,24 @@ def test_snapkv_prefers_the_key_the_window_attends_to():
         k_buf,
         k_buf,
         inputs.qo_indptr,
-        inputs.kv_indptr,
+        inputs.keys.indptr,
         inputs.kv_indices,
         inputs.sm_scale,
         backend="torch",
     )
     boosted = PrefillScoringInputs(**{**inputs.__dict__, "q": q, "k_buf": k_buf, "lse": lse})
     scores = SnapKVPolicy(pool_kernel=1).score(boosted)
-    request = scores[int(inputs.kv_indptr[1]) : int(inputs.kv_indptr[2]), 0]
+    request = scores[int(inputs.keys.indptr[1]) : int(inputs.keys.indptr[2]), 0]
     assert int(request[: 80 - WINDOW].argmax()) == 20
     # Max pooling spreads the score to the neighbours, so the span survives together.
-    pooled = SnapKVPolicy(pool_kernel=5).score(boosted)[int(inputs.kv_indptr[1]) :, 0]
+    pooled = SnapKVPolicy(pool_kernel=5).score(boosted)[int(inputs.keys.indptr[1]) :, 0]
     assert (pooled[18:23] == pooled[20]).all()
 
 
 def test_streamingllm_keeps_the_most_recent():
     inputs = _inputs()
     scores = POLICIES["streamingllm"]().score(inputs)
-    kept, _ = select_kept(scores, inputs.kv_indptr, budget=24, sink=4, window=WINDOW)
+    kept, _ = select_kept(scores, inputs.keys, budget=24, sink=4, window=WINDOW)
     assert kept[1, 0].tolist() == [0, 1, 2, 3, *range(60, 80)]
 
 
@@ -131,14 +133,14 @@ def test_random_keeps_a_spread_choice_per_head_and_scores_a_decoded_key_as_a_pro
     inputs = _inputs()
     policy = POLICIES["random"]()
     scores = policy.score(inputs)
-    kept, _ = select_kept(scores, inputs.kv_indptr, budget=24, sink=4, window=WINDOW)
+    kept, _ = select_kept(scores, inputs.keys, budget=24, sink=4, window=WINDOW)
     middle = [sorted(set(kept[1, h].tolist()) - set(range(4)) - set(range(80 - WINDOW, 80))) for h in range(3)]
     assert all(len(chosen) == 24 - 4 - WINDOW for chosen in middle)
     assert middle[0] != middle[1] != middle[2]
     assert min(min(chosen) for chosen in middle) < 20 and max(max(chosen) for chosen in middle) > 40
     positions = torch.arange(KV_LENS[1])
     k = torch.zeros(KV_LENS[1], 3, 64)
-    request = scores[int(inputs.kv_indptr[1]) : int(inputs.kv_indptr[2])]
+    request = scores[int(inputs.keys.indptr[1]) : int(inputs.keys.indptr[2])]
     assert torch.equal(first_scores(policy.first_score, k, positions), request)
 
 
@@ -156,14 +158,15 @@ def test_span_raises_every_requests_keys_to_their_sentences_best_where_the_ends_
     sentence ends (no tokenizer) `span` keeps its plain scores."""
     ends = torch.zeros(sum(KV_LENS), dtype=torch.bool)
     ends[::5] = True
-    inputs = dataclasses.replace(_inputs(), sentence_ends=ends)
+    inputs = _inputs()
+    inputs = dataclasses.replace(inputs, sentences=sentence_numbers(ends, inputs.keys))
     plain = POLICIES["span"](sentence=0.0).score(inputs)
     raised = POLICIES["span"](sentence=1.0).score(inputs)
     bounds = [0, *torch.tensor(KV_LENS).cumsum(0).tolist()]
     for start, end in zip(bounds, bounds[1:]):
         mine, own = raised[start:end], plain[start:end]
         assert not torch.equal(mine, own) and bool((mine >= own).all())
-    unknown = POLICIES["span"](sentence=1.0).score(dataclasses.replace(inputs, sentence_ends=None))
+    unknown = POLICIES["span"](sentence=1.0).score(dataclasses.replace(inputs, sentences=None))
     torch.testing.assert_close(unknown, plain, rtol=0, atol=0)
 
 

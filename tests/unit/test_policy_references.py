@@ -24,7 +24,7 @@ from sglang_kvsparse.forward.eviction import evict_planned
 from sglang_kvsparse.forward.planning import plan_decode, plan_extend
 from sglang_kvsparse.forward.sparse_attention import sparse_decode, sparse_extend
 from sglang_kvsparse.policies import POLICIES, ScoringPolicy
-from sglang_kvsparse.policies.span import SENTENCE_KEYS
+from sglang_kvsparse.policies.sentences import SENTENCE_KEYS, sentence_numbers
 
 from .heap import H_KV, D, grow, make_state
 
@@ -263,7 +263,8 @@ def test_span_keeps_whole_sentences_as_its_float64_computation_says(share):
     ends = torch.rand(prompt, generator=gen) < 0.2
     row = Row(policy, prompt)
     grow(row.state, [1], [prompt])
-    plan = dataclasses.replace(plan_extend(row.state, [1], [0], [prompt]), sentence_ends=ends)
+    plan = plan_extend(row.state, [1], [0], [prompt])
+    plan = dataclasses.replace(plan, sentences=sentence_numbers(ends, plan.keys))
     sparse_extend(q, keys, values, SCALE, plan, plan.column(row.place), row.lane, policy)
     row.state.finish_forward()
     plain = span(probabilities(q, keys), keys, knobs)

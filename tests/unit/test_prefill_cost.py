@@ -3,11 +3,14 @@ device): the counted prefill is real (each request keeps what its budget allows)
 sync is attributed to a place in the product, and no sparse layer waits for the device, whether a
 layer keeps by its own scores or by the guide, one prompt or several."""
 
+import dataclasses
 import importlib
 import sys
 from pathlib import Path
 
 import pytest
+
+from sglang_kvsparse.policies import SpanPolicy
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))  # bench/ is a folder of scripts that import their siblings as `common.*`
@@ -29,6 +32,18 @@ def test_a_prefill_keeps_each_requests_budget_and_its_layers_wait_for_nothing(ca
             assert sum(row[sources].get(section, {}).values()) == row[key][section], (key, section)
     assert row["launches"]["layers"] > 0 and row["host_ops"]["layers"] >= row["launches"]["layers"]
     assert "outside the product" not in str(row["launch_sources"])
+
+
+def test_spans_launches_do_not_grow_with_its_follow():
+    """`span`'s peaks and spread are sliding maxima over the requests laid out as rows: a follow
+    five times longer costs the sparse layers no more launches (each doubling of it cost a few)."""
+    case = prefill_cost.SMALL_CASES[1]
+    launches = [
+        prefill_cost.measure(case, step_cost.SMALL_SHAPE, dataclasses.replace(prefill_cost.SMALL_CONFIG, policy=policy))
+        for policy in (SpanPolicy(long_follow=8), SpanPolicy(long_follow=40))
+    ]
+    assert launches[0]["kept"] == launches[1]["kept"]
+    assert launches[0]["launches"]["layers"] == launches[1]["launches"]["layers"]
 
 
 def test_the_report_shows_every_case():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_kvsparse.kernels.common import Segments
 from sglang_kvsparse.policies.sentences import (
     SentenceMarks,
     raise_to_sentence_best,
@@ -35,7 +36,7 @@ def test_sentence_numbers_match_a_loop(seed, longest):
     total = sum(lengths)
     ends = torch.rand(total, generator=gen) < 0.15
     indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    got = sentence_numbers(ends, indptr, longest)
+    got = sentence_numbers(ends, Segments.of(indptr), longest)
     assert got.tolist() == hand_numbers(ends.tolist(), lengths, longest)
 
 
@@ -43,17 +44,17 @@ def test_sentence_numbers_match_a_loop(seed, longest):
 def test_empty_requests_start_no_sentence(lengths):
     ends = torch.tensor([True, False, False, True, False, False, False])[: sum(lengths)]
     indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    assert sentence_numbers(ends, indptr, 3).tolist() == hand_numbers(ends.tolist(), lengths, 3)
+    assert sentence_numbers(ends, Segments.of(indptr), 3).tolist() == hand_numbers(ends.tolist(), lengths, 3)
 
 
 def test_a_text_without_ends_is_cut_every_longest_keys():
-    got = sentence_numbers(torch.zeros(10, dtype=torch.bool), torch.tensor([0, 10]), 4)
+    got = sentence_numbers(torch.zeros(10, dtype=torch.bool), Segments.of(torch.tensor([0, 10])), 4)
     assert got.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
 
 
 def test_bad_longest_is_refused():
     with pytest.raises(ValueError, match="longest: expected an integer >= 1"):
-        sentence_numbers(torch.zeros(3, dtype=torch.bool), torch.tensor([0, 3]), 0)
+        sentence_numbers(torch.zeros(3, dtype=torch.bool), Segments.of(torch.tensor([0, 3])), 0)
 
 
 @pytest.mark.parametrize("share", [0.0, 0.5, 1.0])

@@ -280,7 +280,7 @@ def test_prefill_compression_keeps_protected_and_best_scored_keys_per_head():
 
     _, lse = kernels.extend_attention_with_stats(q, k, v, plan.qo_indptr, plan.qo_indptr, torch.arange(total), 0.3)
     scores = state.policy.score(
-        PrefillScoringInputs(q, k, lse, plan.qo_indptr, plan.qo_indptr, torch.arange(total), 0.3, window, sink)
+        PrefillScoringInputs(q, k, lse, plan.qo_indptr, plan.keys, torch.arange(total), 0.3, window, sink)
     )
     assert torch.equal(lane.k[entries(state, 1, 1)], k[:5])  # short request: everything, in order
     rows, kept_scores = entries(state, 2, 1), score_slots(state, 2, 1, budget)
