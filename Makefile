@@ -27,7 +27,7 @@ test-kernels:
 	$(PYTEST) tests/kernels -q -m "not extended"
 
 test-integration:
-	$(PYTEST) tests/integration -q
+	$(PYTEST) tests/integration -q -m "not extended"
 
 # The FP8 servers and Gemma 3's run in sessions of their own, beside no other server (24 GiB).
 APART = tests/e2e/test_fp8.py tests/e2e/test_gemma3.py
@@ -45,6 +45,7 @@ EXTENDED_APART = tests/e2e/test_server_options.py tests/e2e/test_parallel_servin
 
 test-extended: setup
 	$(PYTEST) tests/kernels -q -m "extended" --durations=5
+	$(PYTEST) tests/integration -q -m "extended" --durations=5
 	$(PYTEST) tests/e2e -q -m "extended" $(addprefix --ignore=,$(EXTENDED_APART) $(APART)) --durations=5
 	$(PYTEST) $(EXTENDED_APART) -q -m "extended" --durations=5
 	$(PYTEST) tests/e2e/test_fp8.py -q -m "extended" --durations=5

@@ -11,7 +11,8 @@ a time: every forward then has the same shape on both servers. Sent together, SG
 by timing, and a batch's float32 rounding (its matrix shapes) moves a K/V value across an FP8
 rounding step now and then, which changes a later token where the model's top two are nearly
 tied (seen: log-probability gaps of 0.03 and 0.11). These servers run in a pytest session of
-their own (`make test-e2e`)."""
+their own (`make test-e2e`); the soak, e5m2 and the guard in the extended tier's (`make
+test-extended`)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ def test_fp8_chat_streaming_and_a_frontend_program(fp8_sparse_server):
     assert "Paris" in state["answer"]
 
 
+@pytest.mark.extended  # as the bf16 soak (`test_soak.py`): the longest test of its tier
 def test_the_soak_mix_through_fp8_eviction_comes_back_clean(fp8_evicting_server, fp8_stock_server, tmp_path):
     """Budget 256 in a small FP8 heap (retractions): every request answered or ended by its own
     client, the server healthy and at rest after, every heap row back."""

@@ -1,8 +1,8 @@
 """The whole sparse decode path with SGLang's own token allocator, counted on a simulated device
 (`bench/common/device_cost.py`): allocation through the heap's hooks on SGLang 0.5.23's
 `TokenToKVPoolAllocator`, planning, evictions, the sparse layers, the release after the forward,
-and the releases of a finished, an aborted and a retracted request; hundreds of decode steps, no
-host sync anywhere, every heap row back after.
+and the releases of a finished, an aborted and a retracted request; 150 decode steps, no host
+sync anywhere, every heap row back after.
 
 On this CPU a server's "device" is host memory, so a counter inside it cannot tell a device read
 from a host one; the simulated device can (its tensors are a subclass the counter knows), and the
@@ -25,7 +25,7 @@ try:
 finally:
     sys.path.remove(str(BENCH))
 
-STEPS = 300
+STEPS = 150
 BATCH = 5
 
 
@@ -62,20 +62,20 @@ def test_decode_path_with_sglangs_allocator_waits_for_nothing(need_sort):
             steps += 1
             evicting += step["evicting"]
             count("step", step["syncs"], step["sync_kinds"])
-            if steps % 60 == 30:  # abort a running request mid-decode (as a client's disconnect does)
+            if steps % 30 == 15:  # abort a running request mid-decode (as a client's disconnect does)
                 cost.reset()
                 cost.section = "abort"
                 harness.finish(next(iter(harness.running.values())))
                 count("abort", cost.syncs, cost.sync_kinds)
                 aborted += 1
-            if steps % 60 == 45:  # retract one: released now, prefilled again from its tokens later
+            if steps % 30 == 22:  # retract one: released now, prefilled again from its tokens later
                 cost.reset()
                 cost.section = "retract"
                 request = next(iter(harness.running.values()))
                 harness.finish(request)
                 count("retract", cost.syncs, cost.sync_kinds)
                 retracting, retracted = (request.length, request.final), retracted + 1
-            if retracting and steps % 60 == 50:
+            if retracting and steps % 30 == 25:
                 harness.join(*retracting)
                 retracting = None
         for request in list(harness.running.values()):

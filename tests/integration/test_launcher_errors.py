@@ -56,16 +56,42 @@ def test_invalid_sparsity_option(args, expected):
     _assert_one_line_error(_launch(*args), expected)
 
 
+#: Each launch imports SGLang (about 12 s on 2 cores): CI's tier launches one of each spelling (an
+#: alias, a deprecated flag, a JSON setting), the extended tier every refused option (the unit tier
+#: checks each option's rule, `tests/unit/test_option_support.py`).
+EXTENDED = pytest.mark.extended
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
         (["--pipeline-parallel-size", "2"], "--pp-size 2: pipeline parallelism would split a column of sparse layers"),
-        (["--tp-size", "2", "--attention-data-parallel-size", "2"], "--attn-dp-size 2: DP attention gives ranks"),
-        (["--dp-size", "2", "--enable-dp-attention"], "--enable-dp-attention: DP attention gives ranks"),
-        (["--tp-size", "2", "--dcp-size", "2"], "--dcp-size 2: decode context parallelism splits a request's"),
+        pytest.param(
+            ["--tp-size", "2", "--attention-data-parallel-size", "2"],
+            "--attn-dp-size 2: DP attention gives ranks",
+            marks=EXTENDED,
+        ),
+        pytest.param(
+            ["--dp-size", "2", "--enable-dp-attention"],
+            "--enable-dp-attention: DP attention gives ranks",
+            marks=EXTENDED,
+        ),
+        pytest.param(
+            ["--tp-size", "2", "--dcp-size", "2"],
+            "--dcp-size 2: decode context parallelism splits a request's",
+            marks=EXTENDED,
+        ),
         (["--enable-hicache"], "--enable-hierarchical-cache: copies the KV pool's rows to host memory"),
-        (["--radix-cache-backend", "mine"], "--radix-cache-backend mine: replaces SGLang's radix tree"),
-        (["--enable-two-batch-overlap"], "--enable-two-batch-overlap: splits a batch into two micro-batches"),
+        pytest.param(
+            ["--radix-cache-backend", "mine"],
+            "--radix-cache-backend mine: replaces SGLang's radix tree",
+            marks=EXTENDED,
+        ),
+        pytest.param(
+            ["--enable-two-batch-overlap"],
+            "--enable-two-batch-overlap: splits a batch into two micro-batches",
+            marks=EXTENDED,
+        ),
         (
             ["--cuda-graph-config", '{"prefill": {"backend": "breakable"}}'],
             "--cuda-graph-backend-prefill breakable (or in --cuda-graph-config): sparse layers run prefill graphs",
