@@ -70,8 +70,9 @@ def dot_precision(dtype: torch.dtype) -> str | None:
 
 @dataclass(frozen=True, eq=False)
 class Segments:
-    """A ragged batch: ``indptr`` [B+1] bounds B requests' ``total`` elements, the longest
-    ``max_len`` long (all three known on the host, so nothing is read back).
+    """A ragged batch: ``indptr`` [B+1] bounds B requests' ``total`` elements, none longer than
+    ``max_len`` (the width of `to_dense`'s rows; all three known on the host, so nothing is read
+    back).
 
     Each element's request and position are computed once, when first asked: the sparse layers of
     one prefill share its keys' `Segments` (`ForwardPlan.keys`), so they pay for them once, not
