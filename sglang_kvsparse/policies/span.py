@@ -30,7 +30,7 @@ class SpanPolicy(ScoringPolicy):
     question's attention lands on the first token of an answer (a UUID, a number) and the tokens
     after it come along. Decode adds each step's attention (H2O-style). Last, where the server knows
     the prompt's tokens, each key is raised to `sentence` times the best score of its sentence
-    (`sglang_kvsparse.policies.sentences`; sentences longer than its `SENTENCE_KEYS` keys are cut), so that a
+    (`sglang_kvsparse.policies.sentences`; sentences longer than `SENTENCE_KEYS` keys are cut), so that a
     fact is kept with the words that say what it is.
 
     Defaults: `long_follow` 40 covers a UUID (in SmolLM2's tokenizer, digit by digit) where a long
