@@ -1,15 +1,16 @@
 """Long outputs: how close decode-time eviction stays to the full cache over thousands of tokens.
 
-Prompts: the frozen long-output suite (`kvsparse_testbed.long_outputs`: copy a passage, write out
-a sentence per record of a list, count, continue an essay; plain text continued, its name and hash
-in the report), each asked for exactly 1,024 or 4,096 new tokens (EOS ignored), greedy. One server
-with the default preset answers every system as a request's own setting (`custom_params`): the full cache
-(`{"enabled": false}`: every token in every layer, as stock SGLang), the default at each budget,
-and the baselines (random eviction, StreamingLLM, H2O, TOVA) at theirs. One system at a time, its
-prompts at once: the full cache first, so that every other system's prefill reuses its prompt
-from the radix cache (exact: the prefix store), and a batch pays one eviction pass per step, not
-one per setting. The full cache is asked twice, the second time beside the next system: how far
-two runs in other batches drift apart is the noise floor (float32 sums in another order).
+Prompts: a frozen long-output suite (`kvsparse_testbed.long_outputs`: copy a passage, write out a
+sentence per record of a list, count, continue an essay; plain text continued, its name and hash in
+the report), each asked for exactly its suite's 1,024, 4,096 or 8,000 new tokens (EOS ignored),
+greedy. One server with the default preset answers every system as a request's own setting
+(`custom_params`): the full cache (`{"enabled": false}`: every token in every layer, as stock
+SGLang), the default at each budget, and the baselines (random eviction, StreamingLLM, H2O, TOVA) at
+theirs. One system at a time, its prompts at once: the full cache first, so that every other
+system's prefill reuses its prompt from the radix cache (exact: the prefix store), and a batch pays
+one eviction pass per step, not one per setting. The full cache is asked twice, the second time
+beside the next system: how far two runs in other batches drift apart is the noise floor (float32
+sums in another order).
 
 Per system, against the full cache's output of the same prompt: the first position where the
 tokens differ, the share of positions with the same token, the task score (copy: the passage's

@@ -1,13 +1,14 @@
 """The frozen long-output suite: prompts whose answers run to thousands of tokens.
 
 Why: every accuracy figure before it was retrieval from a long prompt with a short answer, where
-decode-time eviction hardly runs. Here the output is long (1,024 or 4,096 tokens, EOS ignored) and
-faithfulness is checked against the prompt while the cache evicts: copying a passage given in the
-prompt, writing out a sentence for each record of a list given in it, counting, and continuing an
-essay. Each prompt is plain text that starts the pattern (the passage's first sentences written
-again, the first records written out, the first numbers): asked as instructions through the chat
-template, the default model copied nothing and counted to 30 even with the full cache. Four tasks,
-new seeds (no knob was chosen on them), frozen by the hash of every prompt (`LONG_OUTPUT_SUITE`).
+decode-time eviction hardly runs. Here the output is long (1,024, 4,096 or 8,000 tokens, EOS
+ignored) and faithfulness is checked against the prompt while the cache evicts: copying a passage
+given in the prompt, writing out a sentence for each record of a list given in it, counting, and
+continuing an essay. Each prompt is plain text that starts the pattern (the passage's first
+sentences written again, the first records written out, the first numbers): asked as instructions
+through the chat template, the default model copied nothing and counted to 30 even with the full
+cache. Four tasks, new seeds (no knob was chosen on them), frozen by the hash of every prompt
+(`LONG_OUTPUT_SUITE`).
 
 Metrics against the full cache's greedy output of the same prompt, and a task score where one is
 checkable. Plain Python (no torch, no SGLang).
@@ -212,7 +213,8 @@ def long_output_prompts(
     seeds: Sequence[int], output_lens: Sequence[int], tasks: Sequence[str] = TASKS
 ) -> list[LongOutputPrompt]:
     """One prompt per seed, task and output length (ids `long-s<seed>-<task>-<len>`)."""
-    essays = essay_text(int(max(output_lens) * _COPY_CHARS_PER_TOKEN) * 40)
+    needs_essays = {"copy", "continue"} & set(tasks)
+    essays = essay_text(int(max(output_lens) * _COPY_CHARS_PER_TOKEN) * 40) if needs_essays else ""
     prompts = []
     for output_len in output_lens:
         for task in tasks:
@@ -246,11 +248,12 @@ class LongOutputSuite:
     seeds: tuple[int, ...]
     output_lens: tuple[int, ...]
     sha256: str
+    tasks: tuple[str, ...] = TASKS
 
     def prompts(self, output_lens: Sequence[int] | None = None) -> list[LongOutputPrompt]:
         """The suite's prompts (of these output lengths; all by default); ValueError if the suite's
         prompts are not the frozen ones."""
-        prompts = long_output_prompts(self.seeds, self.output_lens)
+        prompts = long_output_prompts(self.seeds, self.output_lens, self.tasks)
         found = prompts_hash(prompts)
         if found != self.sha256:
             raise ValueError(f"suite {self.name}: its prompts hash to {found}, not the frozen {self.sha256}")
@@ -276,8 +279,18 @@ LONG_COUNT_SUITE = LongOutputSuite(
     sha256="0f292d7b13a3a9b218d33ba56d30a9b521b93b69a99732b109ec9bb47e886cd1",
 )
 
+#: Seeds 51-53, counting for 8,000 tokens: the longest output the default model's 8,192 positions
+#: hold after a count prompt (the other tasks' prompts do not leave room for it).
+LONG_8K_SUITE = LongOutputSuite(
+    name="long-8k-2026-12-07",
+    seeds=(51, 52, 53),
+    output_lens=(8000,),
+    sha256="78d25cdeeda47ad82a4111d14efde3e9fc30a451a0dede36fffbcab79d525e96",
+    tasks=("count",),
+)
+
 #: Every frozen long-output suite by name.
-LONG_OUTPUT_SUITES = {suite.name: suite for suite in (LONG_OUTPUT_SUITE, LONG_COUNT_SUITE)}
+LONG_OUTPUT_SUITES = {suite.name: suite for suite in (LONG_OUTPUT_SUITE, LONG_COUNT_SUITE, LONG_8K_SUITE)}
 
 
 # --- metrics against the full cache's greedy output (token ids) ---

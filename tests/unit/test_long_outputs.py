@@ -52,6 +52,17 @@ def test_the_count_suite_is_frozen_on_seeds_no_other_suite_uses():
         dataclasses.replace(count, seeds=(31, 32)).prompts()
 
 
+def test_the_8k_suite_counts_within_the_default_models_context_on_seeds_of_its_own():
+    suite = LONG_OUTPUT_SUITES["long-8k-2026-12-07"]
+    others = set(LONG_OUTPUT_SUITE.seeds) | set(LONG_OUTPUT_SUITES["long-count-2026-12-06"].seeds)
+    assert not set(suite.seeds) & (others | {0, 1, 2, 3, 4, 5})
+    prompts = suite.prompts()
+    assert [p.task for p in prompts] == ["count"] * 3 and {p.output_len for p in prompts} == {8000}
+    assert all(len(p.text) + p.output_len < 8_192 for p in prompts)  # a token holds a character or more
+    with pytest.raises(ValueError, match="not the frozen"):
+        dataclasses.replace(suite, seeds=(51, 52)).prompts()
+
+
 def test_copy_starts_the_passage_again_and_scores_the_rest_written_verbatim():
     prompt = _prompt("copy")
     passage, again = prompt.text.split("\n\nThe same text once more, word for word:\n\n")
