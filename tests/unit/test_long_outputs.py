@@ -179,6 +179,14 @@ def test_the_report_summarizes_each_system_per_length_and_task_and_plots(tmp_pat
     assert long_outputs.summary(data, "random@256", 1024) is None
     text = long_outputs.markdown(data)
     assert "| default@128 | 2 | 200 | 0.60 | 0.25 | 1 | 0.25 |" in text
+    assert "`full (again)` is the full cache asked again" in text
     assert "prompt tokens: copy 900, continue 1,000" in text and "| default@128 | 100 | 300 |" in text
     long_outputs.plot(data, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_without_the_noise_floor_the_full_cache_is_asked_once_and_the_report_says_so():
+    systems = long_outputs.systems_for([256], ["random"], [256], noise_floor=False)
+    assert [s.label for s in systems] == ["full", "default@256", "random@256"]
+    data = {"systems": [dataclasses.asdict(s) for s in systems]}
+    assert "asked once" in long_outputs.noise_floor_line(data)
