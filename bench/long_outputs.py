@@ -10,7 +10,7 @@ theirs. One system at a time, its prompts at once: the full cache first, so that
 system's prefill reuses its prompt from the radix cache (exact: the prefix store), and a batch pays
 one eviction pass per step, not one per setting. The full cache is asked twice, the second time
 beside the next system: how far two runs in other batches drift apart is the noise floor (float32
-sums in another order).
+sums in another order); `--no-noise-floor` asks it once, where a second run costs too long.
 
 Per system, against the full cache's output of the same prompt: the first position where the
 tokens differ, the share of positions with the same token, the task score (copy: the passage's
