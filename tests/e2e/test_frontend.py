@@ -20,6 +20,11 @@ def capital_quiz(s, country):
     s += sgl.assistant(sgl.gen("answer", max_tokens=12, temperature=0))
 
 
+#: `select`'s choices and `gen`'s regex in `report_reader`.
+TOPICS = ("science", "cooking", "sports")
+YEAR = r"(19|20)[0-9]{2}"
+
+
 @sgl.function
 def report_reader(s, document):
     s += sgl.user(f"Read this report.\n\n{document}\n\nWhat is the report about? Answer in one sentence.")
@@ -41,11 +46,6 @@ def test_frontend_program(sparse_server):
     assert "Paris" in state["answer"]
     states = capital_quiz.run_batch([{"country": "France"}, {"country": "Italy"}], backend=backend)
     assert "Rome" in states[1]["answer"]
-
-
-#: `select`'s choices and `gen`'s regex in `report_reader`.
-TOPICS = ("science", "cooking", "sports")
-YEAR = r"(19|20)[0-9]{2}"
 
 
 def _read(server) -> dict:
