@@ -336,15 +336,16 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts = build_prompts() if "retrieval" in suites else []
     kvpress = None
-    if prompts and not args.no_kvpress and args.kvpress is None:
-        say(
-            "no kvpress retrieval report in bench/results (bench/fidelity_kvpress.py makes one): "
-            "every retrieval prompt is asked, compared with nothing external"
-        )
-    elif prompts and not args.no_kvpress:
-        kvpress = load_kvpress(args.kvpress, prompts)
-        if not args.all_prompts:
-            prompts = [p for p in prompts if kvpress["prompts"][p.prompt_id]["full"]["correct"]]
+    if prompts and not args.no_kvpress:
+        if args.kvpress is None:
+            say(
+                "no kvpress retrieval report in bench/results (bench/fidelity_kvpress.py makes one): "
+                "every retrieval prompt is asked, compared with nothing external"
+            )
+        else:
+            kvpress = load_kvpress(args.kvpress, prompts)
+            if not args.all_prompts:
+                prompts = [p for p in prompts if kvpress["prompts"][p.prompt_id]["full"]["correct"]]
     prompts = prompts[: args.limit] if args.limit else prompts
     ruler_prompts = []
     if "ruler" in suites and args.frozen_suite:
