@@ -132,17 +132,19 @@ def assert_at_rest(server: Server) -> dict:
     return stats
 
 
-def assert_prefix_hits_equal_stock(sparse: Server, stock: Server, max_new_tokens: int) -> None:
+def assert_prefix_hits_equal_stock(sparse: Server, stock: Server, max_new_tokens: int, **sampling) -> None:
     """Three prompts sharing a cached ~1,600-token prefix, one at a time: the sparse server reuses
     as much of it as stock (nothing selects by score there: the whole match) and answers as stock
-    does, token for token; each is counted as a prefix hit."""
+    does, token for token; each is counted as a prefix hit. `sampling`: more sampling parameters
+    of the sparse server's requests (a request's own sparsity setting)."""
     prefix = long_prompt(7000)
     prompts = [prefix + suffix for suffix in ("\nIn one sentence:", "\nThe main idea is", "\nA title for it:")]
     for server in (sparse, stock):
         server.flush_cache()
-        server.generate(prefix, 1)
+    sparse.generate(prefix, 1, **sampling)
+    stock.generate(prefix, 1)
     hits_before = sparse.stats()["prefix_hits"]
-    ours = [sparse.generate(prompt, max_new_tokens) for prompt in prompts]
+    ours = [sparse.generate(prompt, max_new_tokens, **sampling) for prompt in prompts]
     theirs = [stock.generate(prompt, max_new_tokens) for prompt in prompts]
     for mine, stock_out in zip(ours, theirs):
         assert mine["meta_info"]["cached_tokens"] == stock_out["meta_info"]["cached_tokens"] > 1000

@@ -11,8 +11,9 @@ a time: every forward then has the same shape on both servers. Sent together, SG
 by timing, and a batch's float32 rounding (its matrix shapes) moves a K/V value across an FP8
 rounding step now and then, which changes a later token where the model's top two are nearly
 tied (seen: log-probability gaps of 0.03 and 0.11). These servers run in a pytest session of
-their own (`make test-e2e`); the soak, e5m2 and the guard in the extended tier's (`make
-test-extended`)."""
+their own (`make test-e2e`); prefix hits, the soak, e5m2 and the guard in the extended tier's
+(`make test-extended`; a prefix hit over FP8 lanes is checked against the fresh prefill in
+`tests/unit/test_sparse_state.py`)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ def test_fp8_sparse_layers_with_full_budgets_match_fp8_stock(fp8_sparse_server, 
     assert_same_outputs(fp8_sparse_server, fp8_stock_server)
 
 
+@pytest.mark.extended
 def test_fp8_prefix_hits_match_fp8_stock(fp8_sparse_server, fp8_stock_server):
     assert_prefix_hits_equal_stock(fp8_sparse_server, fp8_stock_server, MAX_NEW_TOKENS)
 

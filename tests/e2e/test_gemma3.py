@@ -3,11 +3,13 @@ and checked against the sha256 the package states, converted once like the defau
 layers of which 5, 11 and 17 are global and the others keep a 512-token window, one KV head of dim
 256, another tokenizer. Reachable by its short name.
 
-Its window layers are sliding layers: they keep and read their window. With the global layers
-full, greedy outputs equal stock SGLang's token for token on prompts far past the window, with
-chunked prefill and prefix hits, and every heap row comes back. Requests go one at a time, so
-every forward has the same shape on both servers. In its own pytest session (`make test-e2e`):
-two more servers beside the default model's would crowd a 24 GiB machine."""
+Its window layers are sliding layers: they keep and read their window. Served with the default
+preset, requests that ask for a budget above their length (`LOSSLESS`: the sparse global layers
+keep every entry) get stock SGLang's greedy outputs token for token on prompts far past the
+window, with chunked prefill and prefix hits, and every heap row comes back; at the default's
+budget the sparse global layers select and a pass key is still recalled. Requests go one at a
+time, so every forward has the same shape on both servers. In its own pytest session (`make
+test-e2e`): two more servers beside the default model's would crowd a 24 GiB machine."""
 
 from __future__ import annotations
 
@@ -32,6 +34,10 @@ WINDOW = 512
 MAX_NEW_TOKENS = 24
 #: Both servers: float32 (outputs compared token for token), prompts cut into chunks of 1,024.
 COMMON = ["--dtype", "float32", "--chunked-prefill-size", "1024", "--max-total-tokens", "20000"]
+#: The largest budget a request may ask for: above the longest prompt here and its answer.
+MAX_REQUEST_BUDGET = 8192
+#: A request's own setting that keeps every entry of its sparse layers (its window layers still slide).
+LOSSLESS = {"custom_params": {"kvsparse": {"budget": MAX_REQUEST_BUDGET}}}
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +54,16 @@ def gemma_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def gemma_servers(gemma_dir, tmp_path_factory):
-    """Stock SGLang, the launcher with the global layers full (every other layer slides), and the
-    launcher's default (its full layer 0 slides: the first global layer, 5, is full instead, and
-    the other two are sparse)."""
+    """Stock SGLang and the launcher's default (its full layer 0 slides: the first global layer,
+    5, is full instead, and the other two are sparse), whose requests may ask for budgets up to
+    `MAX_REQUEST_BUDGET`."""
     log_dir = tmp_path_factory.mktemp("gemma-logs")
     stock_env = {**server_env(), "SGLANG_USE_CPU_ENGINE": "1"}
     cpu = ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
     stock = [PYTHON, "-m", "sglang.launch_server", "--model-path", str(gemma_dir), *COMMON, *cpu]
-    full_globals = ["--kvsparse-full-layers", ",".join(map(str, GLOBAL_LAYERS))]
-    sliding = [PYTHON, "-m", "sglang_kvsparse.launch_server", "--model-path", NAME, *COMMON, *full_globals]
-    servers = {"stock": Server("gemma-stock", stock, log_dir, stock_env)}
-    servers["sliding"] = Server("gemma-sliding", sliding, log_dir, server_env())
     default = [PYTHON, "-m", "sglang_kvsparse.launch_server", "--model-path", NAME, *COMMON]
+    default += ["--kvsparse-max-request-budget", str(MAX_REQUEST_BUDGET)]
+    servers = {"stock": Server("gemma-stock", stock, log_dir, stock_env)}
     servers["default"] = Server("gemma-default", default, log_dir, server_env())
     try:
         for server in servers.values():
@@ -79,31 +83,26 @@ def test_gemma3_is_converted_once_with_its_layout(gemma_dir):
 
 
 def test_window_layers_slide_and_outputs_equal_stock(gemma_servers):
-    """Prompts of about 300 to 3,000 tokens (the longer ones in chunks, far past the window):
-    the same greedy tokens as stock, and a pass key 2,000 tokens back recalled through the
-    global layers."""
-    sliding, stock = gemma_servers["sliding"], gemma_servers["stock"]
+    """Prompts of about 300 to 3,000 tokens (the longer ones in chunks, far past the window),
+    each asking to keep every entry of its sparse layers: the same greedy tokens as stock, and a
+    pass key 2,000 tokens back recalled through the global layers."""
+    default, stock = gemma_servers["default"], gemma_servers["stock"]
     keys = passkey_prompts(seed=7, lengths=(300, 2100), depths=(0.1,))
     prompts = [p.user_message + " The pass key is" for p in keys] + [long_prompt(12000)]
-    ours = [sliding.generate(prompt, MAX_NEW_TOKENS) for prompt in prompts]
+    ours = [default.generate(prompt, MAX_NEW_TOKENS, **LOSSLESS) for prompt in prompts]
     theirs = [stock.generate(prompt, MAX_NEW_TOKENS) for prompt in prompts]
     lengths = [out["meta_info"]["prompt_tokens"] for out in ours]
     assert lengths[0] < WINDOW < 2000 < lengths[1] and lengths[2] > 2000, lengths
     for prompt, mine, stock_out in zip(prompts, ours, theirs):
         assert mine["output_ids"] == stock_out["output_ids"], prompt[:60]
     assert keys[1].answer in ours[1]["text"]
-    stats = sliding.stats()
-    kinds = [layer["kind"] for layer in stats["replicas"][0]["tp_ranks"][0]["layers"]]
-    assert [i for i, kind in enumerate(kinds) if kind == "full"] == list(GLOBAL_LAYERS)
-    assert kinds.count("sliding") == 15
-    groups = stats["replicas"][0]["tp_ranks"][0]["heap"]["groups"]
-    assert [(g["budget"], g["columns"]) for g in groups] == [(WINDOW + 4, 5)]  # window + the sinks, 3 lanes
-    assert_at_rest(sliding)
+    assert_at_rest(default)
 
 
 def test_prefix_hits_equal_stock(gemma_servers):
-    assert_prefix_hits_equal_stock(gemma_servers["sliding"], gemma_servers["stock"], MAX_NEW_TOKENS)
-    assert_at_rest(gemma_servers["sliding"])
+    default = gemma_servers["default"]
+    assert_prefix_hits_equal_stock(default, gemma_servers["stock"], MAX_NEW_TOKENS, **LOSSLESS)
+    assert_at_rest(default)
 
 
 def test_the_default_selects_in_the_global_layers_and_recalls(gemma_servers):
@@ -124,14 +123,14 @@ def test_the_default_selects_in_the_global_layers_and_recalls(gemma_servers):
 
 @pytest.mark.extended
 def test_an_8000_token_prompt_equals_stock(gemma_servers):
-    sliding, stock = gemma_servers["sliding"], gemma_servers["stock"]
+    default, stock = gemma_servers["default"], gemma_servers["stock"]
     prompt = passkey_prompts(seed=11, lengths=(8000,), depths=(0.3,))[0]
     text = prompt.user_message + " The pass key is"
-    mine, theirs = sliding.generate(text, MAX_NEW_TOKENS), stock.generate(text, MAX_NEW_TOKENS)
+    mine, theirs = default.generate(text, MAX_NEW_TOKENS, **LOSSLESS), stock.generate(text, MAX_NEW_TOKENS)
     assert mine["meta_info"]["prompt_tokens"] > 7500
     assert mine["output_ids"] == theirs["output_ids"]
     assert prompt.answer in mine["text"]
-    assert_at_rest(sliding)
+    assert_at_rest(default)
 
 
 @pytest.mark.extended
@@ -139,7 +138,8 @@ def test_a_prompt_near_the_pools_size_is_served_in_chunks_as_stock(gemma_servers
     """A pool of 2,950 tokens (one stock request's bytes) and a ~2,900-token prompt in chunks of
     1,024: the earlier chunks wait in the prefix store, whose sliding columns hold only what
     they still read (the rest given back on demand). Served, as stock serves it, with stock's
-    answer; before, admission refused it as exceeding the KV memory budget."""
+    answer; before, admission refused it as exceeding the KV memory budget. The global layers
+    are full (three lanes), every other layer slides."""
     options = ["--dtype", "float32", "--chunked-prefill-size", "1024", "--max-total-tokens", "2950"]
     full_globals = ["--kvsparse-full-layers", ",".join(map(str, GLOBAL_LAYERS))]
     argv = [PYTHON, "-m", "sglang_kvsparse.launch_server", "--model-path", NAME, *options, *full_globals]
@@ -150,6 +150,12 @@ def test_a_prompt_near_the_pools_size_is_served_in_chunks_as_stock(gemma_servers
         mine = server.generate(prompt, MAX_NEW_TOKENS)
         assert 2048 < mine["meta_info"]["prompt_tokens"] <= 2950 - MAX_NEW_TOKENS, mine["meta_info"]
         assert mine["output_ids"] == gemma_servers["stock"].generate(prompt, MAX_NEW_TOKENS)["output_ids"]
+        rank = server.stats()["replicas"][0]["tp_ranks"][0]
+        kinds = [layer["kind"] for layer in rank["layers"]]
+        assert [i for i, kind in enumerate(kinds) if kind == "full"] == list(GLOBAL_LAYERS)
+        assert kinds.count("sliding") == 15
+        groups = [(g["budget"], g["columns"]) for g in rank["heap"]["groups"]]
+        assert groups == [(WINDOW + 4, 5)]  # window + the sinks, 15 layers over 3 lanes
         assert_at_rest(server)
     finally:
         server.stop()

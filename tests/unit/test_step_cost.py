@@ -13,7 +13,7 @@ import torch
 from sglang_kvsparse.config import SparsityConfig
 from sglang_kvsparse.forward.planning import plan_decode
 from sglang_kvsparse.patches.allocator import attach, make_heap
-from sglang_kvsparse.policies import POLICIES
+from sglang_kvsparse.policies import POLICIES, ScoringPolicy
 from sglang_kvsparse.state.sparse_group import LaneBuffers
 from sglang_kvsparse.state.sparse_state import SparseState
 
@@ -59,7 +59,19 @@ def test_the_counter_sees_what_would_wait_and_what_would_launch():
         assert y.payload.tolist() == [[0, 0], [2, 2], [4, 4]]
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+#: One policy per decode rule: a decode step does what its policy's rule says and nothing else of
+#: the policy (`ScoringPolicy.decodes_like`; evictions rank the stored scores of every policy).
+#: The first of each rule's policies by name.
+DECODE_RULES = sorted({POLICIES[name]().decode_rule(): name for name in sorted(POLICIES, reverse=True)}.values())
+
+
+def test_one_policy_per_decode_rule_is_every_rule():
+    rules = {POLICIES[name]().decode_rule() for name in POLICIES}
+    assert {POLICIES[name]().decode_rule() for name in DECODE_RULES} == rules
+    assert all(policy.eviction_scores is ScoringPolicy.eviction_scores for policy in POLICIES.values())
+
+
+@pytest.mark.parametrize("policy", DECODE_RULES)
 def test_decode_steps_wait_for_nothing_and_launch_the_same_at_every_batch_size(policy):
     runs = {
         batch: step_cost.measure(batch, 20, SimDevice.device, 0, step_cost.SMALL_SHAPE, config(policy))
