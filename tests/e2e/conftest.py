@@ -1,5 +1,5 @@
 """Servers shared by the end-to-end tests, started once and in parallel (a minute or two on 2 cores):
-only those the collected tests ask for (CI's tier needs five, and seven do not start together in
+only those the collected tests ask for (CI's tier needs four, and seven do not start together in
 24 GiB; `make test-extended` the others).
 
 - "project": the project's launcher with sparsity off;
@@ -7,9 +7,9 @@ only those the collected tests ask for (CI's tier needs five, and seven do not s
   with a context of `SPARSE_CONTEXT` tokens (a prompt near it is served in 9 chunks);
 - "evicting": sparse layers with a budget of 256 that really evict, in a KV pool small enough
   (`EVICTING_ARGS`) that concurrent requests force SGLang to retract; its requests may ask for
-  their own budget up to 1,024, or for no sparsity;
-- "unchunked": the evicting server's settings without chunked prefill, with faults injected for
-  requests whose rid says so (`FAULT_INJECTION`);
+  their own budget up to 1,024, or for no sparsity; faults are injected for requests whose rid
+  says so (`FAULT_INJECTION`);
+- "unchunked": the evicting server's settings without chunked prefill;
 - "uncached": the default preset as a user starts it with `--disable-radix-cache` and nothing
   about chunks, so SGLang chunks at its own default size, its processes talking over SGLang's
   msgpack IPC (`MSGPACK_IPC`) where every other server uses the default pickle one;
@@ -160,11 +160,11 @@ def servers(request, model_path, tmp_path_factory):
             [*launcher, *COMMON_ARGS, *LOSSLESS_SPARSITY, "--context-length", str(SPARSE_CONTEXT)],
             server_env(),
         ),
-        "evicting": ([*launcher, *EVICTING_ARGS, *CHUNK_ARGS], {**server_env(), **RETRACTING_ENV}),
-        "unchunked": (
-            [*launcher, *EVICTING_ARGS, "--chunked-prefill-size", "-1"],
-            {**server_env(), **FAULT_INJECTION},
+        "evicting": (
+            [*launcher, *EVICTING_ARGS, *CHUNK_ARGS],
+            {**server_env(), **RETRACTING_ENV, **FAULT_INJECTION},
         ),
+        "unchunked": ([*launcher, *EVICTING_ARGS, "--chunked-prefill-size", "-1"], server_env()),
         "uncached": (
             [*launcher, "--dtype", "float32", "--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS), "--disable-radix-cache"],
             {**server_env(), **MSGPACK_IPC},

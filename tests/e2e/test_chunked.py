@@ -48,6 +48,7 @@ def test_prompts_whose_last_chunk_is_moved_match_stock(sparse_server, stock_serv
     assert_every_slot_back(sparse_server.idle_stats())
 
 
+@pytest.mark.extended  # CI's tier: the same at one layer, `tests/unit/test_chunked_prefill.py`
 def test_chunked_and_unchunked_prompts_keep_the_same_entries(evicting_server, unchunked_server):
     """Budget 256, retrieval prompts of ~2,100 tokens (5 chunks), one at a time on each server:
     the chunked server scores every key with the last chunk's window, as the unchunked one does."""
@@ -86,7 +87,7 @@ def test_a_prompt_chunked_at_sglangs_own_size_is_served_without_the_radix_cache(
     answer."""
     server = uncached_server
     before = server.stats()
-    results = [server.generate(long_prompt(21_000), MAX_NEW_TOKENS) for _ in range(2)]
+    results = [server.generate(long_prompt(18_000), MAX_NEW_TOKENS) for _ in range(2)]  # 4,261 tokens
     assert results[0]["meta_info"]["prompt_tokens"] > 4096
     assert results[0]["output_ids"] == results[1]["output_ids"]
     stats = server.idle_stats()

@@ -21,12 +21,10 @@ pytestmark = pytest.mark.e2e
 EVICT_PAGE = 16  # SparsityConfig.evict_page default
 
 
-def test_sparse_layers_hold_at_most_budget_plus_a_page_while_decoding(unchunked_server):
-    """On the evicting server's settings without chunked prefill, a ~2,000-token prompt: its
-    prefill is guided (budget 256 is below 0.15 of it), so for that forward its tokens wait in a
-    heap row per sparse column (28,000 of the heap's 39,000; a 3,000-token prompt would need more
-    than the heap has, chunked or not, and is refused up front). Then it decodes at the budget."""
-    evicting_server = unchunked_server
+def test_sparse_layers_hold_at_most_budget_plus_a_page_while_decoding(evicting_server):
+    """A ~2,000-token prompt prefilled in chunks of 512, then 80 decoded tokens: at every sampled
+    step the full layers hold the whole sequence, the sparse ones the budget and at most one
+    eviction page more."""
     payload = {
         "text": long_prompt(8600),
         "sampling_params": {"max_new_tokens": 80, "temperature": 0, "ignore_eos": True},

@@ -1,5 +1,5 @@
 """A fault in the sparse layers' per-request scheduler work fails that request alone
-(`patches/faults.py`): the "unchunked" server injects one for requests whose rid says so, at the
+(`patches/faults.py`): the "evicting" server injects one for requests whose rid says so, at the
 admission (after the request's prefix is pinned) or while its radix match is capped at the prefix
 store. The faulty request gets an HTTP 500 naming the fault; the requests in flight beside it
 finish with the outputs they give alone; the server stays healthy and every slot comes back."""
@@ -42,13 +42,13 @@ def _assert_fault_fails_only_its_request(server, faulty_text: str, rid: str, whe
     assert_at_rest(server)
 
 
-def test_a_fault_in_admission_fails_only_its_request(unchunked_server):
+def test_a_fault_in_admission_fails_only_its_request(evicting_server):
     prompt = essay_text(2000)[:1500]
-    _assert_fault_fails_only_its_request(unchunked_server, prompt, FAULT_ADMISSION_RID + "1", "admission")
+    _assert_fault_fails_only_its_request(evicting_server, prompt, FAULT_ADMISSION_RID + "1", "admission")
 
 
-def test_a_fault_while_matching_a_cached_prefix_fails_only_its_request(unchunked_server):
+def test_a_fault_while_matching_a_cached_prefix_fails_only_its_request(evicting_server):
     """The match is capped only on a radix hit: the prompt is cached first, then extended."""
     prompt = essay_text(2000)[:1500]
-    assert _post(unchunked_server.url, prompt).status_code == 200
-    _assert_fault_fails_only_its_request(unchunked_server, prompt + " And then?", FAULT_MATCH_RID + "1", "prefix match")
+    assert _post(evicting_server.url, prompt).status_code == 200
+    _assert_fault_fails_only_its_request(evicting_server, prompt + " And then?", FAULT_MATCH_RID + "1", "prefix match")
