@@ -35,7 +35,6 @@ def test_sparse_layers_with_full_budgets_match_stock(sparse_server, stock_server
     assert_every_slot_back(after)
 
 
-@pytest.mark.extended  # CI's tier: Gemma 3's prefix hits against stock, the evicting server's against fresh prefills
 def test_prefix_hits_through_sparse_layers_match_stock(sparse_server, stock_server):
     """Prompts sharing a cached ~1,600-token prefix, sent at once: the sparse layers read the
     prefix from the prefix store, and every output is stock's, which hits its own cache."""
