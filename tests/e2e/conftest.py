@@ -52,6 +52,9 @@ SPARSE_BASELINE_ARGS = ["--mem-fraction-static", str(CPU_SPARSE_MEM_FRACTION)]
 #: of the whole context: nothing may change in the outputs. The evicting server keeps layers 0-1
 #: full, so the two-lane layout is served as well.
 LOSSLESS_SPARSITY = ["--kvsparse-full-layers", "0", "--kvsparse-budget", "8192"]
+#: The lossless servers' request slots (no test runs more at once): their entry tables hold a row
+#: of the whole context per slot and sparse column, 3 GB at the 2,049 slots SGLang gives this pool.
+LOSSLESS_SLOTS = ["--max-running-requests", "64"]
 #: The lossless server's context (the model's is 8,192): its near-context prompt costs a third of
 #: the attention work of one at 8,192, and every other prompt it serves is shorter than 2,500.
 SPARSE_CONTEXT = 4608
@@ -154,12 +157,10 @@ def servers(request, model_path, tmp_path_factory):
         stock_env["SGLANG_USE_CPU_ENGINE"] = "1"
         stock_args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
     launcher = [PYTHON, "-m", "sglang_kvsparse.launch_server"]
+    lossless = [*launcher, *COMMON_ARGS, *LOSSLESS_SPARSITY, *LOSSLESS_SLOTS, "--context-length", str(SPARSE_CONTEXT)]
     commands = {
         "project": ([*launcher, *COMMON_ARGS, "--kvsparse-preset", "off"], server_env()),
-        "sparse": (
-            [*launcher, *COMMON_ARGS, *LOSSLESS_SPARSITY, "--context-length", str(SPARSE_CONTEXT)],
-            server_env(),
-        ),
+        "sparse": (lossless, server_env()),
         "evicting": (
             [*launcher, *EVICTING_ARGS, *CHUNK_ARGS],
             {**server_env(), **RETRACTING_ENV, **FAULT_INJECTION},
@@ -180,10 +181,7 @@ def servers(request, model_path, tmp_path_factory):
         ),
     }
     for fmt, kv in FP8_ARGS.items():
-        commands[f"{fmt}_sparse"] = (
-            [*launcher, *COMMON_ARGS, *LOSSLESS_SPARSITY, "--context-length", str(SPARSE_CONTEXT), *kv],
-            server_env(),
-        )
+        commands[f"{fmt}_sparse"] = ([*lossless, *kv], server_env())
         commands[f"{fmt}_stock"] = (
             [PYTHON, "-m", "sglang.launch_server", *stock_args, "--context-length", str(SPARSE_CONTEXT), *kv],
             stock_env,
