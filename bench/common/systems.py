@@ -144,4 +144,18 @@ def machine() -> str:
         import torch
 
         return f"{torch.cuda.get_device_name(0)}, {cpu}"
-    return f"{platform.machine()} {cpu}, no GPU"
+    return f"{platform.machine()} {cpu_model()}, {cpu}, no GPU"
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model and widest vector extension: the test bed's float32 matrix kernels differ
+    with them, so a greedy output that hinges on one rounding can differ between machines."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return platform.processor() or "CPU"
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{fields.get('model name', 'CPU')} ({vector})"

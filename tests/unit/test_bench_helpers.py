@@ -414,3 +414,15 @@ def test_a_serving_profile_with_stock_fp8_gives_it_equal_bytes_and_its_own_ratio
         ("stock-fp8", "default"),
         ("stock-fp8", "default-fp8"),
     }
+
+
+@pytest.mark.parametrize(
+    ("flags", "vector"), [("fpu avx2 avx512f", "AVX-512"), ("fpu sse2 avx2", "AVX2"), ("fpu sse2", "no AVX2")]
+)
+def test_reports_name_the_cpu_model_and_its_widest_vector_extension(tmp_path, flags: str, vector: str) -> None:
+    systems = _fidelity_module("common/systems.py")
+    cpuinfo = tmp_path / "cpuinfo"
+    processor = f"processor\t: {{}}\nmodel name\t: AMD EPYC 9554\nflags\t\t: {flags}\n"
+    cpuinfo.write_text(processor.format(0) + "\n" + processor.format(1))
+    assert systems.cpu_model(cpuinfo) == f"AMD EPYC 9554 ({vector})"
+    assert systems.cpu_model(tmp_path / "missing") != ""
