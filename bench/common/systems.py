@@ -154,8 +154,7 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
         lines = cpuinfo.read_text().splitlines()
     except OSError:
         return platform.processor() or "CPU"
-    fields = dict(line.split(":", 1) for line in lines if ":" in line)
-    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    fields = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in lines if ":" in line)}
     flags = set(fields.get("flags", "").split())
     vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     return f"{fields.get('model name', 'CPU')} ({vector})"
