@@ -1,9 +1,10 @@
 """Sparse layers on an FP8 KV cache (`--kv-cache-dtype fp8_e4m3`, `fp8_e5m2`): at budgets above
-every length, greedy outputs equal stock SGLang's with the same FP8 cache, token for token
-(chunked prefill and prefix hits included); chat, streaming and a frontend program are served;
-the heap's rows are one byte a value; with eviction (budget 256, retractions) the soak profile's
-mix comes through and every heap row comes back; the default preset in FP8 still answers the
-frozen-suite prompts it answered when measured (`FP8_GUARD`).
+every length, greedy outputs equal stock SGLang's with the same FP8 cache, token for token up to
+a near tie of stock's top two (`assert_same_greedy`; chunked prefill and prefix hits included);
+chat, streaming and a frontend program are served; the heap's rows are one byte a value; with
+eviction (budget 256, retractions) the soak profile's mix comes through and every heap row comes
+back; the default preset in FP8 still answers the frozen-suite prompts it answered when measured,
+all but at most one at each budget (`FP8_GUARD`).
 
 Stock runs on this CPU through the FP8 reference (`patches/cpu_fp8.py`, which
 `tests/integration/test_cpu_fp8.py` checks against plain attention). Requests are compared one at
@@ -21,6 +22,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import requests
@@ -39,15 +41,80 @@ MAX_NEW_TOKENS = 24
 SOAK = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
 
 
+#: How far the two servers' log-probabilities of the same greedy token may drift apart, and so how
+#: close stock's top two must be where their greedy outputs part. The sparse layers' attention sums
+#: in another order than `torch_native`'s, so now and then a K/V value rounds to the neighbouring
+#: FP8 byte, a step of 1/8 to 1/4 of the value, and later log-probabilities drift (seen over 24
+#: tokens: up to 0.075 in e4m3); where stock's top two are closer than that the greedy choice may
+#: go the other way (seen in e5m2: "Write a haiku about the sea.", stock's top two 0.007 apart).
+DRIFT = 0.15
+
+
+class Greedy(NamedTuple):
+    """A greedy output: its ids, their log-probabilities, each step's top two (id ->
+    log-probability), and the prompt's length."""
+
+    ids: list[int]
+    logprobs: list[float]
+    tops: list[dict[int, float]]
+    prompt_tokens: int
+
+
+def greedy(server, prompt: str) -> Greedy:
+    """`prompt`'s greedy output from `server`, with the log-probabilities `assert_same_greedy` reads."""
+    payload = {
+        "text": prompt,
+        "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+    }
+    response = requests.post(f"{server.url}/generate", json=payload, timeout=600)
+    response.raise_for_status()
+    answer = response.json()
+    meta = answer["meta_info"]
+    logprobs = [logprob for logprob, _, _ in meta["output_token_logprobs"]]
+    tops = [{token: logprob for logprob, token, _ in top} for top in meta["output_top_logprobs"]]
+    return Greedy(answer["output_ids"], logprobs, tops, meta["prompt_tokens"])
+
+
+def assert_same_greedy(mine: Greedy, theirs: Greedy, prompt: str) -> None:
+    """Token for token, each token's log-probabilities within `DRIFT`; where the outputs part, both
+    servers' top two are the two tokens chosen, and stock's within `DRIFT` of each other."""
+    (ids, logprobs, tops, _), (stock_ids, stock_logprobs, stock_tops, _) = mine, theirs
+    assert ids, prompt[:60]
+    same = next((i for i, (a, b) in enumerate(zip(ids, stock_ids)) if a != b), min(len(ids), len(stock_ids)))
+    gaps = [abs(a - b) for a, b in zip(logprobs[:same], stock_logprobs[:same])]
+    assert max(gaps, default=0.0) < DRIFT, (prompt[:60], gaps)
+    if same == len(ids) == len(stock_ids):
+        return
+    assert same < min(len(ids), len(stock_ids)), (prompt[:60], "one output stopped early", ids, stock_ids)
+    ours, stocks = ids[same], stock_ids[same]
+    assert set(tops[same]) == set(stock_tops[same]) == {ours, stocks}, (prompt[:60], same, tops[same], stock_tops[same])
+    assert stock_tops[same][stocks] - stock_tops[same][ours] < DRIFT, (prompt[:60], same, stock_tops[same])
+
+
 def assert_same_outputs(sparse, stock) -> None:
     prompts = [*SHORT_PROMPTS, long_prompt(10000), long_prompt(16000)[8000:]]  # two of several chunks
-    ours = [sparse.generate(prompt, MAX_NEW_TOKENS) for prompt in prompts]
-    theirs = [stock.generate(prompt, MAX_NEW_TOKENS) for prompt in prompts]
-    assert max(o["meta_info"]["prompt_tokens"] for o in ours) > 2000
+    ours = [greedy(sparse, prompt) for prompt in prompts]
+    theirs = [greedy(stock, prompt) for prompt in prompts]
+    assert max(answer.prompt_tokens for answer in ours) > 2000
     for prompt, mine, stock_out in zip(prompts, ours, theirs):
-        assert len(mine["output_ids"]) > 0
-        assert mine["output_ids"] == stock_out["output_ids"], prompt[:60]
+        assert_same_greedy(mine, stock_out, prompt)
     assert_every_slot_back(sparse.idle_stats())
+
+
+def test_outputs_may_part_only_at_a_near_tie():
+    """`assert_same_greedy` itself, on made-up outputs: a near tie passes, a clear choice or drifting
+    log-probabilities fail."""
+    stock = Greedy([5, 7, 9], [-0.5, -1.0, -0.2], [{5: -0.5, 6: -2.0}, {7: -1.0, 8: -1.05}, {9: -0.2, 4: -3.0}], 10)
+    tied = Greedy([5, 8, 2], [-0.45, -0.99, -0.3], [{5: -0.45, 6: -2.0}, {8: -0.99, 7: -1.0}, {2: -0.3, 4: -3.0}], 10)
+    assert_same_greedy(stock, stock, "same")
+    assert_same_greedy(tied, stock, "near tie")
+    clear = stock._replace(tops=[stock.tops[0], {7: -1.0, 8: -1.3}, stock.tops[2]])
+    drifted = stock._replace(logprobs=[-0.3, -1.0, -0.2])
+    for wrong, against in ((tied, clear), (drifted, stock)):
+        with pytest.raises(AssertionError):
+            assert_same_greedy(wrong, against, "wrong")
 
 
 def test_fp8_sparse_layers_with_full_budgets_match_fp8_stock(fp8_sparse_server, fp8_stock_server):
@@ -130,5 +197,10 @@ FP8_GUARD = {
 
 @pytest.mark.extended
 def test_the_default_in_fp8_still_answers_its_guard_prompts(fp8_default_server):
+    """All but at most one at each budget, the issue's tolerance against bfloat16 (within one
+    prompt): on another CPU, FP8's rounding of this 135M model's K/V moves a near-miss UUID copy
+    (seen on an AVX2 machine: `ruler-s3-uuid-2000-1` at 256, its UUID's tail as zeros, at the
+    commit the guard was recorded on too). The float32 guard (`test_regression_guard.py`) is exact."""
     lost = lost_answers(fp8_default_server.url, FP8_GUARD)
-    assert not lost, lost
+    for budget in FP8_GUARD:
+        assert sum(lost_budget == budget for _, lost_budget, _ in lost) <= 1, lost
