@@ -91,11 +91,15 @@ class Server(ServerProcess):
         with ThreadPoolExecutor(len(texts)) as pool:
             return list(pool.map(lambda text: self.generate(text, max_new_tokens), texts))
 
-    def generate(self, text: str, max_new_tokens: int, **sampling) -> dict:
+    def generate(self, text: str, max_new_tokens: int, top_logprobs: int = 0, **sampling) -> dict:
+        """Greedy `/generate`; with `top_logprobs`, each output token's log-probability and each
+        step's best `top_logprobs` in `meta_info`."""
         payload = {
             "text": text,
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, **sampling},
         }
+        if top_logprobs:
+            payload |= {"return_logprob": True, "top_logprobs_num": top_logprobs}
         response = requests.post(f"{self.url}/generate", json=payload, timeout=600)
         response.raise_for_status()
         return response.json()

@@ -31,7 +31,7 @@ import sglang as sgl
 from sglang_kvsparse.server.serving_defaults import CPU_MAX_TOTAL_TOKENS
 
 from .prompts import SHORT_PROMPTS, long_prompt
-from .servers import assert_at_rest, assert_every_slot_back, assert_prefix_hits_equal_stock
+from .servers import Server, assert_at_rest, assert_every_slot_back, assert_prefix_hits_equal_stock
 from .test_frontend import capital_quiz
 from .test_regression_guard import lost_answers
 
@@ -60,17 +60,9 @@ class Greedy(NamedTuple):
     prompt_tokens: int
 
 
-def greedy(server, prompt: str) -> Greedy:
+def greedy(server: Server, prompt: str) -> Greedy:
     """`prompt`'s greedy output from `server`, with the log-probabilities `assert_same_greedy` reads."""
-    payload = {
-        "text": prompt,
-        "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0},
-        "return_logprob": True,
-        "top_logprobs_num": 2,
-    }
-    response = requests.post(f"{server.url}/generate", json=payload, timeout=600)
-    response.raise_for_status()
-    answer = response.json()
+    answer = server.generate(prompt, MAX_NEW_TOKENS, top_logprobs=2)
     meta = answer["meta_info"]
     logprobs = [logprob for logprob, _, _ in meta["output_token_logprobs"]]
     tops = [{token: logprob for logprob, token, _ in top} for top in meta["output_top_logprobs"]]
@@ -93,7 +85,7 @@ def assert_same_greedy(mine: Greedy, theirs: Greedy, prompt: str) -> None:
     assert stock_tops[same][stocks] - stock_tops[same][ours] < DRIFT, (prompt[:60], same, stock_tops[same])
 
 
-def assert_same_outputs(sparse, stock) -> None:
+def assert_same_outputs(sparse: Server, stock: Server) -> None:
     prompts = [*SHORT_PROMPTS, long_prompt(10000), long_prompt(16000)[8000:]]  # two of several chunks
     ours = [greedy(sparse, prompt) for prompt in prompts]
     theirs = [greedy(stock, prompt) for prompt in prompts]
