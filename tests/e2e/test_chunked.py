@@ -133,6 +133,7 @@ def test_each_turn_of_a_conversation_reuses_the_previous_prompt(evicting_server)
     assert_every_slot_back(stats)
 
 
+@pytest.mark.extended  # a benchmark's instrument (`bench/fidelity.py`), not what the server serves
 def test_teacher_forcing_decodes_every_forced_token_of_chunked_prompts(evicting_server, model_path):
     """bench/fidelity.py's language-model suite on the evicting server: passages of 1,100 and 700
     tokens (three and two chunks, mixed with each other's decode steps) forced on their real
