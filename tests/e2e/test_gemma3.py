@@ -83,16 +83,16 @@ def test_gemma3_is_converted_once_with_its_layout(gemma_dir):
 
 
 def test_window_layers_slide_and_outputs_equal_stock(gemma_servers):
-    """Prompts of about 300 to 3,000 tokens (the longer ones in chunks, far past the window),
-    each asking to keep every entry of its sparse layers: the same greedy tokens as stock, and a
-    pass key 2,000 tokens back recalled through the global layers."""
+    """Prompts of about 300 to 2,100 tokens (the longer ones in chunks, past the window), each
+    asking to keep every entry of its sparse layers: the same greedy tokens as stock, and a pass key
+    2,000 tokens back recalled through the global layers. (8,000 tokens: the extended tier.)"""
     default, stock = gemma_servers["default"], gemma_servers["stock"]
     keys = passkey_prompts(seed=7, lengths=(300, 2100), depths=(0.1,))
-    prompts = [p.user_message + " The pass key is" for p in keys] + [long_prompt(12000)]
+    prompts = [p.user_message + " The pass key is" for p in keys] + [long_prompt(6000)]
     ours = [default.generate(prompt, MAX_NEW_TOKENS, **LOSSLESS) for prompt in prompts]
     theirs = [stock.generate(prompt, MAX_NEW_TOKENS) for prompt in prompts]
     lengths = [out["meta_info"]["prompt_tokens"] for out in ours]
-    assert lengths[0] < WINDOW < 2000 < lengths[1] and lengths[2] > 2000, lengths
+    assert lengths[0] < WINDOW < 1024 < lengths[2] < 2000 < lengths[1], lengths
     for prompt, mine, stock_out in zip(prompts, ours, theirs):
         assert mine["output_ids"] == stock_out["output_ids"], prompt[:60]
     assert keys[1].answer in ours[1]["text"]
