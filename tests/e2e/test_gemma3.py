@@ -32,8 +32,10 @@ NAME = "gemma-3-270m"
 GLOBAL_LAYERS = (5, 11, 17)
 WINDOW = 512
 MAX_NEW_TOKENS = 24
-#: Both servers: float32 (outputs compared token for token), prompts cut into chunks of 1,024.
-COMMON = ["--dtype", "float32", "--chunked-prefill-size", "1024", "--max-total-tokens", "20000"]
+#: Prompts are cut into chunks of this many tokens.
+CHUNK = 1024
+#: Both servers: float32 (outputs compared token for token), prompts cut into chunks of `CHUNK`.
+COMMON = ["--dtype", "float32", "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "20000"]
 #: The largest budget a request may ask for: above the longest prompt here and its answer.
 MAX_REQUEST_BUDGET = 8192
 #: A request's own setting that keeps every entry of its sparse layers (its window layers still slide).
@@ -92,7 +94,7 @@ def test_window_layers_slide_and_outputs_equal_stock(gemma_servers):
     ours = [default.generate(prompt, MAX_NEW_TOKENS, **LOSSLESS) for prompt in prompts]
     theirs = [stock.generate(prompt, MAX_NEW_TOKENS) for prompt in prompts]
     lengths = [out["meta_info"]["prompt_tokens"] for out in ours]
-    assert lengths[0] < WINDOW < 1024 < lengths[2] < 2000 < lengths[1], lengths
+    assert lengths[0] < WINDOW < CHUNK < lengths[2] < 2000 < lengths[1], lengths
     for prompt, mine, stock_out in zip(prompts, ours, theirs):
         assert mine["output_ids"] == stock_out["output_ids"], prompt[:60]
     assert keys[1].answer in ours[1]["text"]
@@ -140,7 +142,7 @@ def test_a_prompt_near_the_pools_size_is_served_in_chunks_as_stock(gemma_servers
     they still read (the rest given back on demand). Served, as stock serves it, with stock's
     answer; before, admission refused it as exceeding the KV memory budget. The global layers
     are full (three lanes), every other layer slides."""
-    options = ["--dtype", "float32", "--chunked-prefill-size", "1024", "--max-total-tokens", "2950"]
+    options = ["--dtype", "float32", "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "2950"]
     full_globals = ["--kvsparse-full-layers", ",".join(map(str, GLOBAL_LAYERS))]
     argv = [PYTHON, "-m", "sglang_kvsparse.launch_server", "--model-path", NAME, *options, *full_globals]
     server = Server("gemma-tight", argv, tmp_path, server_env())
