@@ -18,6 +18,7 @@ are plain read-add-write without atomics.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -81,6 +82,23 @@ def processor_count(device: torch.device) -> int:
 
 #: Keys in a batch below which the torch reference's matmuls take all KV heads at once.
 _FEW_KEYS = 4096
+
+#: The torch reference's gathered K and V rows, by name, dtype and device: kept between calls.
+_GATHERED: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _gather_rows(name: str, buf: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``buf``'s rows at ``indices`` ([n, *buf.shape[1:]]) in the buffer kept under ``name``, valid
+    until the next gather under that name. On a CPU a new tensor above glibc's mmap threshold
+    (32 MiB) is mapped on allocation and unmapped when freed, so a large batch's K and V gathered
+    into fresh tensors would fault in every page twice per layer: the buffers grow to the largest
+    batch seen and stay."""
+    need = indices.numel() * math.prod(buf.shape[1:])
+    key = (name, buf.dtype, buf.device)
+    kept = _GATHERED.get(key)
+    if kept is None or kept.numel() < need:
+        kept = _GATHERED[key] = torch.empty(need, dtype=buf.dtype, device=buf.device)
+    return torch.index_select(buf, 0, indices, out=kept[:need].view(indices.numel(), *buf.shape[1:]))
 
 
 def default_decode_config(dtype: torch.dtype) -> DecodeConfig:
@@ -460,12 +478,12 @@ def decode_attention_with_scores_torch(
     batch, width = kv_indices.shape
     heads, dim = k_buf.shape[1], k_buf.shape[2]
     # As few torch calls as the batch allows (on a CPU each costs more than the work at small
-    # batches): one gather per buffer (index_select takes int32 indices and is much faster than
-    # advanced indexing) and one masked softmax. The matmuls: one over all KV heads while the
-    # keys are few (its copy of them is cheap), one per KV head on strided views (which the
-    # CPU's GEMM takes without a copy) once they are many.
-    k = k_buf.index_select(0, kv_indices.reshape(-1)).view(batch, width, heads, dim).to(acc_dtype)
-    v = v_buf.index_select(0, kv_indices.reshape(-1)).view(batch, width, heads, dim).to(acc_dtype)
+    # batches): one gather per buffer into a kept one (`_gather_rows`; index_select takes int32
+    # indices and is much faster than advanced indexing) and one masked softmax. The matmuls: one
+    # over all KV heads while the keys are few (its copy of them is cheap), one per KV head on
+    # strided views (which the CPU's GEMM takes without a copy) once they are many.
+    k = _gather_rows("k", k_buf, kv_indices.reshape(-1)).view(batch, width, heads, dim).to(acc_dtype)
+    v = _gather_rows("v", v_buf, kv_indices.reshape(-1)).view(batch, width, heads, dim).to(acc_dtype)
     qb = q.to(acc_dtype).unflatten(1, (heads, group))  # [B, H_kv, G, D]
     entry = torch.arange(width, device=q.device)
     # Past each length (padding), and with a window before its last `window` keys: not attended,

@@ -246,3 +246,36 @@ def test_decode_sliding_window_matches_reference(window, splits, score_update, d
     q = decode_queries(batch)
     (o, scores), (o_ref, scores_ref) = run_both(batch, q, splits, DecodeConfig(block_n=32), window, score_update)
     assert rel_error(o, o_ref) < OUT_REL[torch.float32] and rel_error(scores, scores_ref) < SCORE_REL[torch.float32]
+
+
+def test_reference_gathers_into_kept_buffers(device):
+    """The torch reference gathers K and V into buffers kept between calls: a call after a larger
+    batch's, of another head dim or dtype, gives what it gave before, and an output it returned is
+    not changed by later calls."""
+
+    def run(batch):
+        score_buf = torch.zeros(batch.k_buf.shape[:2], device=device)
+        o = decode_attention_with_scores(
+            decode_queries(batch),
+            batch.k_buf,
+            batch.v_buf,
+            kv_lens_of(batch),
+            as_table(batch),
+            score_buf,
+            batch.sm_scale,
+            backend="torch",
+        )
+        return o, score_buf
+
+    small = make_ragged_batch([0, 0], [30, 7], 2, 2, 64, torch.float32, device, seed=11)
+    first = run(small)
+    kept = [t.clone() for t in first]
+    for other in (
+        make_ragged_batch([0] * 4, [300, 41, 260, 5], 2, 2, 64, torch.float32, device, seed=12),
+        make_ragged_batch([0] * 3, [90, 3, 50], 2, 1, 128, torch.float16, device, seed=13),
+    ):
+        run(other)
+        again = run(small)
+        for got, want, returned in zip(again, kept, first):
+            assert torch.equal(got, want)
+            assert torch.equal(returned, want)
