@@ -214,23 +214,29 @@ def evict_rows_torch(
     sink: int,
     window: int,
 ) -> None:
-    """Plain-torch reference: `select_rows`, then every kept entry gathered before any is written."""
+    """Plain-torch reference: `select_rows`, then a column at a time every kept entry gathered
+    before any is written. A column's rows are its own, so this is the whole batch at once; it
+    holds one column's kept K and V at a time, where all of a group's columns at once would hold
+    every layer's (gigabytes at Llama-3.1-8B's KV shape with a dozen requests)."""
     _check(k_buf, v_buf, score_buf, ranked, slots, score_slots, budget, sink, window)
     columns, requests, n = slots.shape
     heads = k_buf.shape[1]
     if columns * requests == 0:
         return
     kept = select_rows(ranked, budget, sink, window).view(columns, requests, budget, heads)
-
-    def sources(table: torch.Tensor) -> torch.Tensor:
-        return torch.gather(table[..., None].expand(columns, requests, n, heads), 2, kept).reshape(-1, heads).long()
-
     head = torch.arange(heads, device=k_buf.device)[None, :]
-    dst = slots[:, :, :budget].reshape(-1).long()
-    src = sources(slots)
-    k_buf[dst] = k_buf[src, head]
-    v_buf[dst] = v_buf[src, head]
-    score_buf[score_slots[:, :, :budget].reshape(-1).long()] = score_buf[sources(score_slots), head]
+
+    def sources(table: torch.Tensor, column: int) -> torch.Tensor:
+        rows = table[column, :, :, None].expand(requests, n, heads)
+        return torch.gather(rows, 1, kept[column]).reshape(-1, heads).long()
+
+    for column in range(columns):
+        dst = slots[column, :, :budget].reshape(-1).long()
+        src = sources(slots, column)
+        k_buf[dst] = k_buf[src, head]
+        v_buf[dst] = v_buf[src, head]
+        score_dst = score_slots[column, :, :budget].reshape(-1).long()
+        score_buf[score_dst] = score_buf[sources(score_slots, column), head]
 
 
 def evict_rows(
