@@ -83,22 +83,28 @@ def processor_count(device: torch.device) -> int:
 #: Keys in a batch below which the torch reference's matmuls take all KV heads at once.
 _FEW_KEYS = 4096
 
-#: The torch reference's gathered K and V rows, by name, dtype and device: kept between calls.
-_GATHERED: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+#: glibc's largest mmap threshold: an allocation above it is always mapped on its own and
+#: unmapped when freed.
+_MMAP_THRESHOLD = 32 << 20
+
+#: The torch reference's large gathers on a CPU, by name and dtype: kept between calls.
+_GATHERED: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
 
 def _gather_rows(name: str, buf: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """``buf``'s rows at ``indices`` ([n, *buf.shape[1:]]) in the buffer kept under ``name``, valid
-    until the next gather under that name. On a CPU a new tensor above glibc's mmap threshold
-    (32 MiB) is mapped on allocation and unmapped when freed, so a large batch's K and V gathered
-    into fresh tensors would fault in every page twice per layer: the buffers grow to the largest
-    batch seen and stay."""
-    need = indices.numel() * math.prod(buf.shape[1:])
-    key = (name, buf.dtype, buf.device)
-    kept = _GATHERED.get(key)
+    """``buf``'s rows at ``indices`` ([n, *buf.shape[1:]]). On a CPU a gather above glibc's mmap
+    threshold goes into the buffer kept under ``name`` (valid until the next gather under that
+    name; it grows to the largest batch seen and stays): a fresh tensor that size would fault in
+    every page again, twice per layer. Smaller ones come from the heap, and on CUDA the caching
+    allocator (or a captured graph's pool) serves them: those stay fresh tensors."""
+    shape = (indices.numel(), *buf.shape[1:])
+    need = math.prod(shape)
+    if buf.device.type != "cpu" or need * buf.element_size() <= _MMAP_THRESHOLD:
+        return buf.index_select(0, indices)
+    kept = _GATHERED.get((name, buf.dtype))
     if kept is None or kept.numel() < need:
-        kept = _GATHERED[key] = torch.empty(need, dtype=buf.dtype, device=buf.device)
-    return torch.index_select(buf, 0, indices, out=kept[:need].view(indices.numel(), *buf.shape[1:]))
+        kept = _GATHERED[(name, buf.dtype)] = torch.empty(need, dtype=buf.dtype)
+    return torch.index_select(buf, 0, indices, out=kept[:need].view(shape))
 
 
 def default_decode_config(dtype: torch.dtype) -> DecodeConfig:

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from sglang_kvsparse.kernels import SCORE_UPDATES, DecodeConfig, decode_attention_with_scores
+from sglang_kvsparse.kernels import SCORE_UPDATES, DecodeConfig, decode_attention, decode_attention_with_scores
 from sglang_kvsparse.kernels.decode_attention import decode_splits
 from sglang_kvsparse.kernels.testing import as_table, decode_queries, kv_lens_of, make_ragged_batch, rel_error
 
@@ -248,13 +248,13 @@ def test_decode_sliding_window_matches_reference(window, splits, score_update, d
     assert rel_error(o, o_ref) < OUT_REL[torch.float32] and rel_error(scores, scores_ref) < SCORE_REL[torch.float32]
 
 
-def test_reference_gathers_into_kept_buffers(device):
-    """The torch reference gathers K and V into buffers kept between calls: a call after a larger
-    batch's, of another head dim or dtype, gives what it gave before, and an output it returned is
-    not changed by later calls."""
+def test_reference_gathers_into_kept_buffers(monkeypatch):
+    """On a CPU the torch reference gathers K and V above glibc's mmap threshold (32 MiB) into
+    buffers kept between calls: it gives what fresh tensors give, also after a larger batch's call
+    and one of another dtype, and an output it returned is not changed by later calls."""
 
     def run(batch):
-        score_buf = torch.zeros(batch.k_buf.shape[:2], device=device)
+        score_buf = torch.zeros(batch.k_buf.shape[:2])
         o = decode_attention_with_scores(
             decode_queries(batch),
             batch.k_buf,
@@ -267,15 +267,18 @@ def test_reference_gathers_into_kept_buffers(device):
         )
         return o, score_buf
 
-    small = make_ragged_batch([0, 0], [30, 7], 2, 2, 64, torch.float32, device, seed=11)
-    first = run(small)
-    kept = [t.clone() for t in first]
-    for other in (
-        make_ragged_batch([0] * 4, [300, 41, 260, 5], 2, 2, 64, torch.float32, device, seed=12),
-        make_ragged_batch([0] * 3, [90, 3, 50], 2, 1, 128, torch.float16, device, seed=13),
-    ):
+    def ragged(lengths, dtype, seed):  # 4 KV heads of 128: 2 KiB a float32 row
+        return make_ragged_batch([0] * len(lengths), lengths, 4, 1, 128, dtype, "cpu", seed=seed)
+
+    kept_size = ragged([9_000, 9_001], torch.float32, 11)  # 36 MiB a gather
+    assert as_table(kept_size).numel() * 2048 > 32 << 20
+    with monkeypatch.context() as patched:
+        patched.setattr(decode_attention, "_MMAP_THRESHOLD", 1 << 40)  # every gather a fresh tensor
+        kept = run(kept_size)
+    first = run(kept_size)
+    for other in (ragged([12_000, 40, 7_000], torch.float32, 12), ragged([20_000, 5], torch.float16, 13)):
         run(other)
-        again = run(small)
+        again = run(kept_size)
         for got, want, returned in zip(again, kept, first):
             assert torch.equal(got, want)
             assert torch.equal(returned, want)
