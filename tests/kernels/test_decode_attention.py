@@ -21,10 +21,10 @@ SCORE_REL = {torch.float32: 1e-5, torch.float16: 1e-4}
 KV_LENS = [1, 290, 77, 130]
 
 
-def run_both(batch, q, num_kv_splits, config=None, window=0, score_update="add"):
+def run_both(batch, q, num_kv_splits, config=None, window=0, score_update="add", backends=("triton", "torch")):
     init = torch.rand(batch.k_buf.shape[:2], generator=torch.Generator().manual_seed(9)).to(q.device)
     results = []
-    for backend in ("triton", "torch"):
+    for backend in backends:
         score_buf = init.clone()
         o = decode_attention_with_scores(
             q,
@@ -254,18 +254,7 @@ def test_reference_gathers_into_kept_buffers(monkeypatch):
     and one of another dtype, and an output it returned is not changed by later calls."""
 
     def run(batch):
-        score_buf = torch.zeros(batch.k_buf.shape[:2])
-        o = decode_attention_with_scores(
-            decode_queries(batch),
-            batch.k_buf,
-            batch.v_buf,
-            kv_lens_of(batch),
-            as_table(batch),
-            score_buf,
-            batch.sm_scale,
-            backend="torch",
-        )
-        return o, score_buf
+        return run_both(batch, decode_queries(batch), None, backends=("torch",))[0]
 
     def ragged(lengths, dtype, seed):  # 4 KV heads of 128: 2 KiB a float32 row
         return make_ragged_batch([0] * len(lengths), lengths, 4, 1, 128, dtype, "cpu", seed=seed)
