@@ -146,10 +146,10 @@ def _one_gguf_parse() -> Iterator[None]:
     import gguf
 
     parse = gguf.GGUFReader
-    readers: dict[str, gguf.GGUFReader] = {}
+    readers: dict[tuple[str, str], gguf.GGUFReader] = {}
 
     def reader(path: str | os.PathLike[str], mode: str = "r") -> gguf.GGUFReader:
-        key = f"{os.path.realpath(path)}:{mode}"
+        key = (os.path.realpath(path), mode)
         if key not in readers:
             readers[key] = parse(path, mode)
         return readers[key]
